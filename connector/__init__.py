@@ -1,0 +1,27 @@
+"""kvstrata: a tiered, content-addressed KV block store for LLM serving engines.
+
+The core never imports an engine; engine glue lives in ``kvstrata.adapters``.
+"""
+
+from .config import ConfigError, StrataConfig, load_config
+from .index import BlockIndex, EntryMeta
+from .keys import FORMAT_VERSION, BlockChain, Namespace, chain_keys, extra_digest, root_key
+from .store import BlockStore, Hit
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BlockChain",
+    "BlockIndex",
+    "BlockStore",
+    "ConfigError",
+    "EntryMeta",
+    "Hit",
+    "Namespace",
+    "StrataConfig",
+    "chain_keys",
+    "extra_digest",
+    "load_config",
+    "root_key",
+]

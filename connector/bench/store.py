@@ -1,0 +1,239 @@
+"""``kvstrata bench store``: the store's paths measured beside raw baselines, in one process.
+
+Every pair runs on the same bytes, the same block sizes and the same folder, interleaved round by
+round, and reports medians; ratios are what to read (absolute numbers on a shared 2-core machine
+mean little). Baselines:
+- ``memcpy``: one torch ``copy_`` per block between preallocated, pre-touched tensors (the least any
+  store must do per block);
+- ``pwrite`` / ``pread``: per block, ``os.open`` + one ``pwrite``/``pread`` + ``os.close`` of a file
+  in the same folder (the least a file-per-block tier must do; no fsync on either side);
+- ``engine_hash``: vLLM's own ``hash_block_tokens`` with sha256 over the same token blocks.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import sys
+import statistics
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import xxhash
+
+from ..config import load_config
+from ..index import BlockIndex, EntryMeta
+from ..keys import Namespace
+from ..store import BlockStore
+
+GB = 1e9
+
+
+def _median_time(fn: Callable[[], object], rounds: int, setup: Callable[[], object] | None = None) -> float:
+    times = []
+    for _ in range(rounds):
+        if setup:
+            setup()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _ns(block_tokens: int) -> Namespace:
+    return Namespace("bench", "bench-model", "v1", "bfloat16", "bench", block_tokens)
+
+
+def _store(tmp: Path, l1_bytes: int, l2: bool) -> BlockStore:
+    cfg = load_config(None, {"l1.size": l1_bytes, "l1.pin_memory": False, "l2.enabled": l2,
+                             "l2.path": str(tmp / "l2"), "l2.size": 1 << 40, "l2.write": "on_evict",
+                             "saves.queue_blocks": 1 << 20})
+    return BlockStore(cfg)
+
+
+def _memory_and_disk(block_bytes: int, total: int, rounds: int, tmp: Path) -> dict[str, float]:
+    n = max(4, total // block_bytes)
+    src = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    res: dict[str, list[float]] = {k: [] for k in ("memcpy", "l1_put", "l1_get", "pwrite", "pread",
+                                                   "disk_put", "disk_get")}
+    store = _store(tmp, block_bytes * n * (rounds + 2), l2=True)
+    assert store.l2 is not None
+    store.l1._allocate(block_bytes)  # noqa: SLF001 - pre-touch the arena like the baseline's tensors
+    assert store.l1.data is not None
+    store.l1.data.zero_()
+    ns = _ns(16)
+    raw_dir = tmp / "raw"
+    raw_dir.mkdir(exist_ok=True)
+    views = [memoryview(src[i].numpy()) for i in range(n)]
+    outs = [memoryview(dst[i].numpy()) for i in range(n)]
+    for r in range(rounds + 1):  # round 0 warms caches and allocators; it is not reported
+        tokens = np.arange(r * n * 16, (r + 1) * n * 16, dtype=np.uint32)
+        epoch, chain = store.chain(ns, tokens)
+
+        def memcpy() -> None:
+            for i in range(n):
+                dst[i].copy_(src[i])
+
+        res["memcpy"].append(_median_time(memcpy, 1))
+        res["l1_put"].append(_median_time(lambda: store.put(ns, epoch, chain, src), 1))
+        hit = store.lookup(ns, tokens)
+        assert hit.num_blocks == n
+        res["l1_get"].append(_median_time(lambda: store.load(hit, dst), 1))
+
+        def pwrite() -> None:
+            for i in range(n):
+                fd = os.open(raw_dir / f"{r}-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.pwrite(fd, views[i], 0)
+                os.close(fd)
+
+        def pread() -> None:
+            for i in range(n):
+                fd = os.open(raw_dir / f"{r}-{i}", os.O_RDONLY)
+                os.preadv(fd, [outs[i]], 0)
+                os.close(fd)
+
+        metas = [store.index.meta(int(row)) for row in store.index.rows_of(chain.keys)]
+
+        def disk_put() -> None:
+            for i in range(n):
+                store.write_backing(metas[i], src[i])
+
+        metas_on_disk: list[EntryMeta] = []
+
+        def disk_get() -> None:
+            for i in range(n):
+                if not store.l2.read(metas_on_disk[i], dst[i]):
+                    raise RuntimeError("benchmark block failed to read back")
+
+        # Writes are throttled by the kernel once dirty pages pile up; start each side from a
+        # clean page cache so neither pays for the other's writeback. Alternate which goes first.
+        order = [("pwrite", pwrite), ("disk_put", disk_put)]
+        for name, fn in order if r % 2 else order[::-1]:
+            os.sync()
+            res[name].append(_median_time(fn, 1))
+        metas_on_disk = [store.index.meta(int(row)) for row in store.index.rows_of(chain.keys)]
+        res["pread"].append(_median_time(pread, 1))
+        res["disk_get"].append(_median_time(disk_get, 1))
+        if not torch.equal(dst, src):
+            raise RuntimeError("benchmark read back different bytes")
+        for p in raw_dir.iterdir():
+            p.unlink()
+        for key in chain.keys:
+            store.l2.delete(key)
+    store.close()
+    nbytes = n * block_bytes
+    return {f"{k}_gbps": round(nbytes / statistics.median(v[1:]) / GB, 3) for k, v in res.items()}
+
+
+def _lookup(n_blocks: int, rounds: int, tmp: Path) -> dict[str, float | None]:
+    store = _store(tmp, 64 * (n_blocks + 1), l2=False)
+    ns = _ns(16)
+    tokens = np.random.default_rng(0).integers(0, 150_000, n_blocks * 16, dtype=np.uint32)
+    epoch, chain = store.chain(ns, tokens)
+    store.put(ns, epoch, chain, torch.zeros((n_blocks, 64), dtype=torch.uint8))
+
+    def lookup() -> None:
+        hit = store.lookup(ns, tokens)
+        assert hit.num_blocks == n_blocks
+
+    ours = _median_time(lookup, rounds) * 1e6 * 1000 / n_blocks
+    store.close()
+    engine = _engine_hash_us(tokens, n_blocks, rounds)
+    return {"lookup_us_per_1k_blocks": round(ours, 1),
+            "engine_hash_us_per_1k_blocks": None if engine is None else round(engine, 1)}
+
+
+def _engine_hash_us(tokens: np.ndarray, n_blocks: int, rounds: int) -> float | None:
+    """vLLM's own prefix hashing (sha256) over the same blocks, as the scheduler runs it."""
+    try:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
+    except ImportError:
+        return None
+    init_none_hash(sha256)
+    ids = tokens.tolist()
+
+    def engine() -> None:
+        parent = None
+        for i in range(n_blocks):
+            parent = hash_block_tokens(sha256, parent, ids[i * 16 : (i + 1) * 16], None)
+
+    return _median_time(engine, rounds) * 1e6 * 1000 / n_blocks
+
+
+def _index_bytes(n: int) -> dict[str, float]:
+    """Traced bytes of a BlockIndex holding ``n`` entries, divided by ``n``.
+
+    Counts everything the index allocates: the key dict and its key objects, the free list and
+    every numpy column at its allocated capacity. No token ids are stored (a 64-bit chained
+    fingerprint replaces them), so there is nothing to exclude.
+    """
+    keys = [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(n)]
+    metas = [EntryMeta(k, keys[i - 1] if i else b"\0" * 16, i, 16, b"s" * 16, 0, 1 << 18, i + 1)
+             for i, k in enumerate(keys)]
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    index = BlockIndex()
+    index.commit_many(metas, 2)
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    # The dict keeps the caller's key objects (allocated before tracing); count them too.
+    key_obj = sys.getsizeof(keys[0])
+    assert len(index) == n
+    return {"index_bytes_per_entry": round(used / n + key_obj, 1), "index_entries_measured": n}
+
+
+def run(quick: bool = False, progress: bool = True) -> dict[str, object]:
+    total = (64 if quick else 256) << 20
+    rounds = 3 if quick else 7
+    sizes = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
+    torch.set_num_threads(1)  # copies are memory-bound; one thread keeps both sides comparable
+    tmp = Path(tempfile.mkdtemp(prefix="kvstrata-bench-", dir=os.environ.get("KVSTRATA_BENCH_DIR")))
+    out: dict[str, object] = {"quick": quick, "bench_dir": str(tmp)}
+    try:
+        by_size = {}
+        for label, size in sizes.items():
+            if progress:
+                print(f"  block size {label} ...", flush=True)
+            by_size[label] = _memory_and_disk(size, total, rounds, tmp)
+        first = by_size["256KiB"]
+        out.update(first)
+        out["block_bytes"] = sizes["256KiB"]
+        out["by_block_size"] = by_size
+        if progress:
+            print("  lookup ...", flush=True)
+        out.update(_lookup(1000, 7 if quick else 25, tmp))
+        if progress:
+            print("  index memory ...", flush=True)
+        out.update(_index_bytes(1_000_000))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out["ratios"] = _ratios(out)
+    return out
+
+
+def _ratios(r: dict[str, object]) -> dict[str, float | None]:
+    def ratio(a: str, b: str, src: dict[str, object]) -> float:
+        return round(float(src[a]) / float(src[b]), 3)  # type: ignore[arg-type]
+
+    worst = {
+        name: min(ratio(a, b, v) for v in r["by_block_size"].values())  # type: ignore[union-attr]
+        for name, (a, b) in {
+            "l1_put_vs_memcpy": ("l1_put_gbps", "memcpy_gbps"),
+            "l1_get_vs_memcpy": ("l1_get_gbps", "memcpy_gbps"),
+            "disk_put_vs_pwrite": ("disk_put_gbps", "pwrite_gbps"),
+            "disk_get_vs_pread": ("disk_get_gbps", "pread_gbps"),
+        }.items()
+    }
+    eng = r.get("engine_hash_us_per_1k_blocks")
+    worst["lookup_vs_engine_hash"] = None if eng is None else ratio(
+        "lookup_us_per_1k_blocks", "engine_hash_us_per_1k_blocks", r)
+    return worst

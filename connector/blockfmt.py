@@ -1,0 +1,59 @@
+"""Binary header of a stored block (disk files, remote values): fixed 128 bytes, then the payload.
+
+Layout (little endian): magic ``KVSB``, format version u16, flags u16 (bit 0: partial block),
+key, parent key and namespace seed (16 B each), fingerprint, payload checksum (xxh3-64), epoch and
+payload size (u64 each), token count u32, padding, then an xxh3-64 of the preceding 120 bytes.
+Nothing read back is trusted: every field is bounds-checked and the header has its own checksum,
+so a torn or foreign file is rejected before its size is used. Never pickle.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+from .index import EntryMeta
+from .keys import FORMAT_VERSION
+
+MAGIC = b"KVSB"
+HEADER = struct.Struct("<4sHH16s16s16sQQQQI28x")
+HEADER_SIZE = HEADER.size + 8
+MAX_BLOCK_BYTES = 1 << 32
+_TAIL = 1
+assert HEADER_SIZE == 128
+
+
+class FormatError(ValueError):
+    """A stored header is not a valid kvstrata block header."""
+
+
+def pack_header(meta: EntryMeta) -> bytes:
+    body = HEADER.pack(
+        MAGIC, FORMAT_VERSION, _TAIL if meta.tail else 0, meta.key, meta.parent, meta.ns_seed,
+        meta.fp, meta.checksum, meta.epoch, meta.size, meta.ntok,
+    )
+    return body + xxhash.xxh3_64_digest(body)
+
+
+def unpack_header(buf: bytes | memoryview, where: str = "block") -> EntryMeta:
+    """Parse and check a header; raise FormatError naming ``where`` and the bad field."""
+    if len(buf) < HEADER_SIZE:
+        raise FormatError(f"{where}: header truncated ({len(buf)} < {HEADER_SIZE} bytes)")
+    body = bytes(buf[: HEADER.size])
+    if xxhash.xxh3_64_digest(body) != bytes(buf[HEADER.size : HEADER_SIZE]):
+        raise FormatError(f"{where}: header checksum mismatch")
+    magic, version, flags, key, parent, ns_seed, fp, checksum, epoch, size, ntok = HEADER.unpack(body)
+    if magic != MAGIC:
+        raise FormatError(f"{where}: bad magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{where}: format version {version}, expected {FORMAT_VERSION}")
+    if not 0 < size <= MAX_BLOCK_BYTES:
+        raise FormatError(f"{where}: payload size {size} out of range (0, {MAX_BLOCK_BYTES}]")
+    if not 0 < ntok < 1 << 24:
+        raise FormatError(f"{where}: token count {ntok} out of range")
+    return EntryMeta(key, parent, fp, ntok, ns_seed, epoch, size, checksum, bool(flags & _TAIL))
+
+
+def payload_checksum(payload: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)

@@ -1,0 +1,162 @@
+"""``kvstrata`` command line: config check, stats, integrity check, invalidate, gc, bench, demo.
+
+Each subcommand is one function registered in ``COMMANDS``; ``main`` only parses and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Callable
+
+from .config import ConfigError, load_config
+from .store import BlockStore
+
+log = logging.getLogger("kvstrata")
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+    def register(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+def _open(args: argparse.Namespace) -> BlockStore:
+    return BlockStore(load_config(args.config))
+
+
+@command("config check")
+def config_check(args: argparse.Namespace) -> int:
+    cfg = load_config(args.file)
+    print(f"{args.file}: ok")
+    log.debug("config: %s", cfg.model_dump_json())
+    return 0
+
+
+@command("stats")
+def stats(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        data = store.stats()
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="kvstrata tiers")
+    for col in ("tier", "blocks", "bytes", "capacity"):
+        table.add_column(col)
+    for name, t in data["tiers"].items():  # type: ignore[union-attr]
+        table.add_row(name, str(t["blocks"]), str(t["bytes"]), str(t["capacity_bytes"]))
+    console.print(table)
+    spaces = Table(title="namespaces")
+    for col in ("namespace", "epoch", "current epoch", "blocks", "bytes"):
+        spaces.add_column(col)
+    current = data["current_epochs"]
+    for ns, epochs in data["namespaces"].items():  # type: ignore[union-attr]
+        for epoch, v in sorted(epochs.items()):
+            spaces.add_row(ns, epoch, str(current.get(ns, 0)), str(v["blocks"]), str(v["bytes"]))  # type: ignore[union-attr]
+    console.print(spaces)
+    console.print({"counters": data["counters"]})
+    return 0
+
+
+@command("check")
+def check(args: argparse.Namespace) -> int:
+    from .check import check_disk
+
+    cfg = load_config(args.config)
+    if not cfg.l2.enabled:
+        print("no disk tier configured (l2.enabled: false): nothing to check")
+        return 0
+    report = check_disk(cfg.l2.path, fix=args.fix, progress=not args.json)
+    print(json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
+    return 1 if report["bad"] and not args.fix else 0
+
+
+@command("invalidate")
+def invalidate(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        known = {seed[:8].hex(): seed for seed in store.namespaces()}
+        wanted = args.namespace or list(known)
+        unknown = [ns for ns in wanted if ns not in known]
+        if unknown:
+            print(f"unknown namespace(s): {', '.join(unknown)}; known: {', '.join(known) or 'none'}",
+                  file=sys.stderr)
+            return 2
+        for ns in wanted:
+            print(f"{ns}: epoch {store.invalidate(known[ns])}")
+    return 0
+
+
+@command("gc")
+def gc(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        removed = store.gc()
+    print(json.dumps({"removed": removed}))
+    return 0
+
+
+@command("bench store")
+def bench_store(args: argparse.Namespace) -> int:
+    from .bench.store import run
+
+    result = run(quick=args.quick, progress=not args.json)
+    print(json.dumps(result))
+    return 0
+
+
+@command("demo")
+def demo(args: argparse.Namespace) -> int:
+    from .demo import run
+
+    return run(load_config(args.config), conversations=args.conversations)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--config", help="YAML config (default: $KVSTRATA_CONFIG, else embedded)")
+        return sp
+
+    cfg = sub.add_parser("config", help="configuration tools").add_subparsers(dest="sub", required=True)
+    cfg.add_parser("check", help="validate a config file").add_argument("file")
+    with_config(sub.add_parser("stats", help="blocks and bytes per tier, namespace, epoch")).add_argument(
+        "--json", action="store_true")
+    chk = with_config(sub.add_parser("check", help="integrity scan of the disk tier"))
+    chk.add_argument("--fix", action="store_true", help="delete bad blocks and leftovers")
+    chk.add_argument("--json", action="store_true")
+    with_config(sub.add_parser("invalidate", help="bump namespace epochs")).add_argument(
+        "--namespace", action="append", help="namespace id (see stats); default: all")
+    with_config(sub.add_parser("gc", help="reclaim old epochs, enforce capacities"))
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="sub", required=True)
+    bs = bench.add_parser("store", help="store micro-benchmark against raw baselines")
+    bs.add_argument("--quick", action="store_true", help="finish in under 30 s")
+    bs.add_argument("--json", action="store_true", help="only the JSON line")
+    dm = with_config(sub.add_parser("demo", help="the main job: replay chat traffic through the store"))
+    dm.add_argument("--conversations", type=int, default=40)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    name = " ".join(x for x in (args.cmd, getattr(args, "sub", None)) if x)
+    try:
+        return COMMANDS[name](args)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Content addressing: namespaces and chained block keys.
+
+A *namespace* names everything that makes KV bytes incompatible (engine, model and weights version,
+KV dtype and layout, parallel rank, storage format, tenant). Its seed, together with the namespace's
+current epoch, is the key of block -1. The key of block i is::
+
+    data_i = key_{i-1} || token ids of block i (one uint32-LE ``tobytes()``) || extra digest (16 B)
+    key_i  = xxh3_128(data_i)
+    fp_i   = xxh3_64(data_i, seed=FP_SEED)
+
+``fp_i`` is an independent 64-bit fingerprint of the same data. The index stores it (plus the parent
+key and the token count) instead of the token ids: 8 bytes instead of ``4 * block_size`` bytes, and
+because ``key_{i-1}`` already covers the whole prefix, a matching fingerprint confirms the whole
+prefix, not only the block. The extra digest is always 16 bytes, so the byte length of ``data_i``
+encodes the token count and a partial block is a different key from any full block.
+
+Nothing here depends on PYTHONHASHSEED or any random state: keys are identical across processes and
+machines (tests pin golden vectors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import xxhash
+
+FORMAT_VERSION = 1
+FP_SEED = 0x6B7673747261  # "kvstra": seeds the independent fingerprint
+TOKEN_DTYPE = np.dtype("<u4")
+NO_EXTRA = xxhash.xxh3_128_digest(b"")
+
+_h128 = xxhash.xxh3_128_digest
+_h64 = xxhash.xxh3_64_intdigest
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two KV blocks to be interchangeable."""
+
+    engine: str
+    model: str
+    model_version: str
+    kv_dtype: str
+    layout: str  # per-layer shape signature, e.g. "24x[2,64,128]"
+    block_size: int
+    rank: int = 0
+    world_size: int = 1
+    tenant: str = ""
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, str] = field(default_factory=dict)  # engine-specific identity (e.g. PP rank)
+
+    def __hash__(self) -> int:
+        return hash(self.seed)
+
+    @cached_property
+    def seed(self) -> bytes:
+        """16-byte namespace fingerprint: xxh3-128 of the canonical JSON of all fields."""
+        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return _h128(blob)
+
+    @property
+    def id(self) -> str:
+        """Short printable id (first 8 bytes of the seed), used in file names, stats and the CLI."""
+        return self.seed[:8].hex()
+
+
+def root_key(ns_seed: bytes, epoch: int) -> bytes:
+    """Key of block -1: the namespace seed combined with the namespace's epoch."""
+    return _h128(ns_seed + epoch.to_bytes(8, "little"))
+
+
+def extra_digest(extra_keys: Sequence[object] | None) -> bytes:
+    """16-byte digest of per-request extra keys (LoRA id, multimodal hashes, cache salt)."""
+    if not extra_keys:
+        return NO_EXTRA
+    return _h128(json.dumps([str(k) for k in extra_keys], separators=(",", ":")).encode())
+
+
+def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
+    """Cheap weights/tokenizer fingerprint: config.json bytes plus every file's name and size.
+
+    Reading every weight byte would take minutes on a large model; names and sizes change whenever
+    a checkpoint is replaced in practice, and `model_version` in the YAML covers the rest.
+    """
+    root = Path(model_dir)
+    h = xxhash.xxh3_64()
+    config = root / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(f"{path.relative_to(root)}:{path.stat().st_size};".encode())
+    return h.hexdigest()
+
+
+def as_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a contiguous uint32-LE array (no copy when already so)."""
+    return np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE)
+
+
+class BlockChain(NamedTuple):
+    """Keys of consecutive blocks; ``parents[i]`` is the key before ``keys[i]``."""
+
+    keys: list[bytes]
+    parents: list[bytes]
+    fps: list[int]
+    lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def chain_keys(
+    root: bytes,
+    tokens: np.ndarray,
+    block_size: int,
+    extra: bytes = NO_EXTRA,
+    *,
+    partial: bool = True,
+    limit: int | None = None,
+) -> BlockChain:
+    """Keys for the full blocks of ``tokens`` (and the trailing partial block if ``partial``).
+
+    One ``tobytes()`` for the whole prompt, then one slice and two hash calls per block: no
+    per-token Python work. ``limit`` stops after that many blocks.
+    """
+    buf = as_tokens(tokens).tobytes()
+    step = block_size * TOKEN_DTYPE.itemsize
+    n_full = len(buf) // step
+    ends = list(range(step, n_full * step + 1, step))
+    if partial and len(buf) % step:
+        ends.append(len(buf))
+    if limit is not None:
+        ends = ends[:limit]
+    keys: list[bytes] = []
+    parents: list[bytes] = []
+    fps: list[int] = []
+    lengths: list[int] = []
+    prev, start = root, 0
+    for end in ends:
+        data = prev + buf[start:end] + extra
+        parents.append(prev)
+        prev = _h128(data)
+        keys.append(prev)
+        fps.append(_h64(data, FP_SEED))
+        lengths.append((end - start) // TOKEN_DTYPE.itemsize)
+        start = end
+    return BlockChain(keys, parents, fps, lengths)
+
+
+def block_key(parent: bytes, tokens: np.ndarray, extra: bytes = NO_EXTRA) -> tuple[bytes, int]:
+    """Key and fingerprint of one block (full or partial) after ``parent``."""
+    data = parent + as_tokens(tokens).tobytes() + extra
+    return _h128(data), _h64(data, FP_SEED)

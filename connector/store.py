@@ -1,0 +1,394 @@
+"""The tiered block store: index + L1 memory + backing tiers (L2 disk, later shared tiers).
+
+Primitives (all thread-safe):
+- ``lookup(ns, tokens, extra)``: hash the prompt into chained keys and return the longest valid
+  stored prefix, possibly ending in a stored partial block. Index only: backing tiers are asked for
+  128-byte headers of blocks another process stored, never for payloads.
+- ``load(hit, out)``: copy the hit's blocks into ``out``, fastest tier first, verifying checksums
+  of bytes that come from outside the process. A bad copy is deleted, counted, and it and every
+  block after it are reported as not loaded, so the engine recomputes them. L2 hits are promoted.
+- ``save(ns, epoch, chain, payloads, on_done)``: queue a save and return at once; refused (and
+  counted) when the queue is full. ``put`` is the same, synchronously.
+- ``invalidate(ns)``: bump the namespace epoch; older entries are invisible from that instant.
+- ``gc()``, ``stats()``, ``close()``.
+
+Writes are copy-on-write: a block is copied into a fresh slot or file and only then committed to
+the index, so a reader never sees a partial block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from .blockfmt import payload_checksum
+from .config import StrataConfig
+from .epochs import EpochStore, FileEpochs, MemoryEpochs
+from .index import BlockIndex, EntryMeta
+from .keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, chain_keys, root_key
+from .metrics import Counters
+from .saver import Saver
+from .tiers import BlockTier, DiskTier, MemoryTier
+
+log = logging.getLogger(__name__)
+_EVICT_BATCH = 16
+
+
+class Hit(NamedTuple):
+    """A validated stored prefix. ``chain`` lists the blocks to load, in order."""
+
+    ns: Namespace
+    epoch: int
+    chain: BlockChain
+    tiers: list[int]  # tier bit set per block, at lookup time
+    lease: int | None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.chain.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.chain.lengths)
+
+
+def _byte_rows(payloads: Sequence[torch.Tensor] | torch.Tensor) -> Sequence[torch.Tensor] | torch.Tensor:
+    """Blocks as uint8 rows: a 2-D tensor stays one tensor (batched copies), else one per block."""
+    if isinstance(payloads, torch.Tensor):
+        flat = payloads.reshape(payloads.shape[0], -1)
+        return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    return [p.reshape(-1).view(torch.uint8) for p in payloads]
+
+
+def _slice(chain: BlockChain, start: int, stop: int | None = None) -> BlockChain:
+    return BlockChain(*(part[start:stop] for part in chain))
+
+
+class BlockStore:
+    def __init__(self, config: StrataConfig | None = None) -> None:
+        self.config = config = config or StrataConfig()
+        self.counters = Counters()
+        self.index = BlockIndex(key_bits=config.testing.key_bits, lease_s=config.lease_seconds)
+        self.l1 = MemoryTier(self.counters, config.l1.size, pin=config.l1.pin_memory)
+        self.backing: list[BlockTier] = []
+        self.l2: DiskTier | None = None
+        self.epochs: EpochStore = MemoryEpochs()
+        if config.l2.enabled:
+            self.l2 = DiskTier(self.counters, config.l2.path, config.l2.size, config.l2.fsync)
+            self.backing.append(self.l2)
+            self.epochs = FileEpochs(config.l2.path / "epochs")
+            self._recover(self.l2)
+        self._evict_lock = threading.Lock()
+        self._saver = Saver(config.saves.queue_blocks, config.saves.threads)
+
+    @property
+    def tiers(self) -> list[BlockTier]:
+        return [self.l1, *self.backing]
+
+    def _recover(self, tier: DiskTier) -> None:
+        """Rebuild the index from committed files (oldest first, for LRU); drop dead temp files."""
+        found = sorted(tier.scan_files(), key=lambda item: item[2])
+        self.index.commit_many([meta for meta, _path, _mtime in found], tier.bit)
+        if found:
+            log.info("kvstrata: recovered %d blocks (%d bytes) from %s", len(found), tier.used_bytes, tier.root)
+
+    # ------------------------------------------------------------------ lookup
+    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,
+              *, partial: bool = True) -> tuple[int, BlockChain]:
+        """Current epoch and the chained keys of ``tokens`` (full blocks, then the partial tail)."""
+        epoch = self.epochs.get(ns.seed)
+        return epoch, chain_keys(root_key(ns.seed, epoch), as_tokens(tokens), ns.block_size, extra, partial=partial)
+
+    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,
+               *, pin: bool = False) -> Hit:
+        tokens = as_tokens(tokens)
+        epoch, chain = self.chain(ns, tokens, extra)
+        n = self._match(ns.seed, epoch, chain, 0)
+        hit = _slice(chain, 0, n)
+        if n < len(chain.keys):
+            tail = self._match_tail(ns, epoch, chain.parents[n], tokens[n * ns.block_size :], extra)
+            if tail is not None:
+                hit = BlockChain(*(a + b for a, b in zip(hit, tail)))
+        rows = self.index.rows_of(hit.keys)
+        lease = self.index.pin(rows) if pin and len(rows) else None
+        tiers = [int(t) for t in self.index.tiers_of(rows)]
+        self.counters.inc("lookups")
+        self.counters.inc("lookup_hit_blocks", len(rows))
+        return Hit(ns, epoch, hit, tiers, lease)
+
+    def _match(self, seed: bytes, epoch: int, chain: BlockChain, start: int) -> int:
+        """Leading valid run from ``start``; blocks other processes stored are adopted by header."""
+        n = start
+        total = len(chain.keys)
+        while n < total:
+            n += self.index.match(seed, epoch, chain, n)
+            if n == total or not self._adopt(seed, epoch, chain, n):
+                break
+        return n - start
+
+    def _adopt(self, seed: bytes, epoch: int, chain: BlockChain, i: int) -> bool:
+        """Commit block ``i`` if a backing tier holds a valid copy under its key."""
+        for tier in self.backing:
+            meta = tier.probe(chain.keys[i])
+            if (meta is not None and meta.ns_seed == seed and meta.epoch == epoch
+                    and meta.parent == chain.parents[i] and meta.fp == chain.fps[i]
+                    and meta.ntok == chain.lengths[i]):
+                return self.index.commit(meta, tier.bit) is not None and \
+                    self.index.match(seed, epoch, chain, i) > 0
+        return False
+
+    def _match_tail(self, ns: Namespace, epoch: int, parent: bytes, rest: np.ndarray,
+                    extra: bytes) -> BlockChain | None:
+        """A stored partial block after ``parent`` whose tokens begin ``rest``, longest first."""
+        lengths = set(self.index.tail_lengths(parent))
+        for tier in self.backing:
+            lengths.update(tier.tail_lengths(parent))
+        for ntok in sorted(lengths, reverse=True):
+            if ntok >= ns.block_size or ntok > len(rest):
+                continue
+            key, fp = block_key(parent, rest[:ntok], extra)
+            one = BlockChain([key], [parent], [fp], [ntok])
+            if self._match(ns.seed, epoch, one, 0):
+                return one
+        return None
+
+    def release(self, hit: Hit) -> None:
+        if hit.lease is not None:
+            self.index.unpin(hit.lease)
+
+    # -------------------------------------------------------------------- load
+    def load(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor) -> int:
+        """Copy the hit's blocks into ``out[i]``; returns how many leading blocks are valid."""
+        keys = hit.chain.keys
+        if not keys:
+            return 0
+        rows = self.index.rows_of(keys)
+        gone = np.flatnonzero(rows < 0)
+        usable = int(gone[0]) if len(gone) else len(keys)
+        lease = self.index.pin(rows[:usable]) if hit.lease is None and usable else None
+        try:
+            bits = self.index.tiers_of(rows[:usable])
+            slots = self.l1.slots_of(keys[:usable])
+            run = 0
+            while run < usable and bits[run] & self.l1.bit and slots[run] is not None:
+                run += 1
+            if run:
+                self.l1.copy_out(slots[:run], out, self.index.meta(int(rows[0])).size)  # type: ignore[arg-type]
+                self.counters.inc("hit_blocks_l1", run)
+            for i in range(run, usable):
+                if not self._load_one(int(rows[i]), out[i]):
+                    usable = i
+                    break
+            if usable < len(keys):
+                self.counters.inc("load_failures")
+                self.counters.inc("load_failed_blocks", len(keys) - usable)
+            return usable
+        finally:
+            if lease is not None:
+                self.index.unpin(lease)
+
+    def _load_one(self, row: int, out: torch.Tensor) -> bool:
+        meta = self.index.meta(row)
+        bits = int(self.index.tiers_of(np.array([row]))[0])
+        if bits & self.l1.bit and self.l1.read(meta, out):
+            self.counters.inc("hit_blocks_l1")
+            return True
+        for tier in self.backing:
+            if not bits & tier.bit:
+                continue
+            if tier.read(meta, out):
+                self.counters.inc(f"hit_blocks_{tier.name}")
+                self._put_l1([meta], [out])  # promote
+                return True
+            self.index.drop_tier(row, tier.bit)  # the tier deleted its bad or missing copy
+        return False
+
+    # -------------------------------------------------------------------- save
+    def save(self, ns: Namespace, epoch: int, chain: BlockChain,
+             payloads: Sequence[torch.Tensor] | torch.Tensor,
+             on_done: Callable[[int], None] | None = None) -> bool:
+        """Queue a save of ``chain``'s blocks; False (and counted) if the queue is full.
+
+        ``payloads[i]`` is block i's bytes (a uint8 view is taken); they must stay unchanged until
+        ``on_done(blocks_stored)`` is called.
+        """
+        n = len(chain.keys)
+
+        def job() -> None:
+            stored = self._put_chain(ns, epoch, chain, payloads)
+            if on_done is not None:
+                on_done(len(stored))
+            self._write_through(stored)
+
+        if self._saver.submit(n, job):
+            return True
+        self.counters.inc("saves_dropped", n)
+        return False
+
+    def put(self, ns: Namespace, epoch: int, chain: BlockChain,
+            payloads: Sequence[torch.Tensor] | torch.Tensor) -> int:
+        """Synchronous save. Returns the number of blocks newly stored."""
+        stored = self._put_chain(ns, epoch, chain, payloads)
+        self._write_through(stored)
+        return len(stored)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued saves (tests, shutdown)."""
+        return self._saver.flush(timeout)
+
+    def _put_chain(self, ns: Namespace, epoch: int, chain: BlockChain,
+                   payloads: Sequence[torch.Tensor] | torch.Tensor) -> list[tuple[EntryMeta, int]]:
+        todo = np.flatnonzero(~self.index.valid_mask(ns.seed, epoch, chain)).tolist()
+        if not todo:
+            return []
+        rows = _byte_rows(payloads)
+        metas = [EntryMeta(chain.keys[i], chain.parents[i], chain.fps[i], chain.lengths[i], ns.seed,
+                           epoch, rows[i].numel(), 0, chain.lengths[i] < ns.block_size) for i in todo]
+        if todo == list(range(todo[0], todo[0] + len(todo))):
+            src = rows[todo[0] : todo[0] + len(todo)]  # a view: no gather copy
+        else:
+            src = [rows[i] for i in todo]
+        stored = self._put_l1(metas, src)
+        self.counters.inc("saved_blocks", len(stored))
+        return stored
+
+    def _put_l1(self, metas: list[EntryMeta], src: Sequence[torch.Tensor] | torch.Tensor) -> list[tuple[EntryMeta, int]]:
+        """Copy blocks into fresh L1 slots (evicting LRU), then commit them. Returns (meta, row)."""
+        size = metas[0].size
+        if any(m.size != size for m in metas) or not self.l1.fits(size):
+            self.counters.inc("l1_too_large" if not self.l1.fits(size) else "l1_mixed_sizes")
+            return []
+        with self._evict_lock:
+            slots = self.l1.reserve(len(metas), size)
+            while len(slots) < len(metas):
+                victims = self.index.lru_victims(self.l1.bit, max(_EVICT_BATCH, len(metas) - len(slots)))
+                if not victims:
+                    self.counters.inc("l1_full", len(metas) - len(slots))
+                    break
+                for row in victims:
+                    self._evict_l1(row)
+                slots += self.l1.reserve(len(metas) - len(slots), size)
+        metas = metas[: len(slots)]
+        if not metas:
+            return []
+        self.l1.copy_in(slots, src[: len(slots)], size)  # fresh slots: nobody can read them yet
+        self.l1.publish(metas, slots)
+        stored = []
+        for meta, row in zip(metas, self.index.commit_many(metas, self.l1.bit)):
+            if row is None:
+                self.l1.delete(meta.key)  # key collision: the first writer keeps the key
+            else:
+                stored.append((meta, row))
+        return stored
+
+    def _evict_l1(self, row: int) -> None:
+        meta = self.index.meta(row)
+        demote = (self.l2 is not None and self.config.l2.write == "on_evict"
+                  and not int(self.index.tiers_of(np.array([row]))[0]) & self.l2.bit)
+        if demote:
+            slot = self.l1.slot_of(meta.key)
+            if slot is not None and self.l1.data is not None:
+                self.write_backing(meta, self.l1.data[slot, : meta.size])
+                self.counters.inc("l1_demoted")
+        if self.index.claim(row, self.l1.bit):
+            self.l1.delete(meta.key)
+            self.counters.inc("l1_evicted")
+
+    def _write_through(self, stored: list[tuple[EntryMeta, int]]) -> None:
+        if self.l2 is None or self.config.l2.write != "through" or not stored:
+            return
+        rows = np.array([row for _, row in stored], np.int64)
+        lease = self.index.pin(rows)  # keep the L1 copies while they are written out
+        try:
+            for meta, _row in stored:
+                slot = self.l1.slot_of(meta.key)
+                if slot is not None and self.l1.data is not None:
+                    self.write_backing(meta, self.l1.data[slot, : meta.size])
+        finally:
+            self.index.unpin(lease)
+
+    def write_backing(self, meta: EntryMeta, payload: torch.Tensor) -> None:
+        """Checksum one block and publish it on every backing tier (write-through, demotion)."""
+        meta = meta._replace(checksum=payload_checksum(memoryview(payload.numpy())))
+        for tier in self.backing:
+            if tier.write(meta, payload):
+                self.index.commit(meta, tier.bit)
+                self._enforce_capacity(tier)
+
+    def _enforce_capacity(self, tier: BlockTier) -> None:
+        while tier.used_bytes > tier.capacity_bytes:
+            victims = self.index.lru_victims(tier.bit, _EVICT_BATCH)
+            if not victims:
+                return
+            for row in victims:
+                self._drop_from(tier, row)
+            self.counters.inc(f"{tier.name}_evicted", len(victims))
+
+    def _drop_from(self, tier: BlockTier, row: int) -> bool:
+        meta = self.index.meta(row)
+        if not self.index.claim(row, tier.bit):
+            return False
+        tier.delete(meta.key)
+        if meta.tail and isinstance(tier, DiskTier):
+            tier.delete_tail_marker(meta.parent, meta.ntok)
+        return True
+
+    # ------------------------------------------------------- invalidation, GC
+    def invalidate(self, ns_seed: bytes) -> int:
+        """Bump the namespace epoch: from now on no older entry is served. Returns the new epoch."""
+        epoch = self.epochs.bump(ns_seed)
+        self.counters.inc("invalidations")
+        log.info("kvstrata: namespace %s is now at epoch %d", ns_seed[:8].hex(), epoch)
+        self.gc(only=[ns_seed])
+        return epoch
+
+    def namespaces(self) -> list[bytes]:
+        seeds = {meta.ns_seed for _, meta, _ in self.index.entries()}
+        return sorted(seeds | set(self.epochs.known()))
+
+    def gc(self, only: list[bytes] | None = None) -> dict[str, int]:
+        """Reclaim unpinned entries of older epochs, then enforce every tier's capacity."""
+        removed = Counter[str]()
+        for seed in only or self.namespaces():
+            for row in self.index.stale_rows(seed, self.epochs.get(seed)):
+                bits = int(self.index.tiers_of(np.array([row]))[0])
+                for tier in self.tiers:
+                    if bits & tier.bit and self._drop_from(tier, row):
+                        removed[tier.name] += 1
+        for tier in self.backing:
+            self._enforce_capacity(tier)
+        self.counters.inc("gc_removed", sum(removed.values()))
+        return dict(removed)
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> dict[str, object]:
+        tiers = {t.name: {"blocks": 0, "bytes": 0, "capacity_bytes": t.capacity_bytes} for t in self.tiers}
+        spaces: dict[str, dict[str, dict[str, int]]] = {}
+        for _row, meta, bits in self.index.entries():
+            per_epoch = spaces.setdefault(meta.ns_seed[:8].hex(), {}).setdefault(
+                str(meta.epoch), {"blocks": 0, "bytes": 0})
+            per_epoch["blocks"] += 1
+            per_epoch["bytes"] += meta.size
+            for t in self.tiers:
+                if bits & t.bit:
+                    tiers[t.name]["blocks"] += 1
+                    tiers[t.name]["bytes"] += meta.size
+        current = {s[:8].hex(): self.epochs.get(s) for s in self.namespaces()}
+        return {"tiers": tiers, "namespaces": spaces, "current_epochs": current,
+                "counters": self.counters.snapshot()}
+
+    def close(self) -> None:
+        self._saver.close()
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> "BlockStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,258 @@
+"""L2: local disk, one file per block in sharded folders, published by rename.
+
+Layout under ``root``::
+
+    blocks/ab/<key hex>.kvb             128-byte header (blockfmt) + payload, mode 0600
+    blocks/ab/.<key hex>.<pid>.<n>.tmp  a write in progress (never read)
+    tails/ab/<parent hex>/<ntok>        marker: a partial block of ntok tokens follows parent
+
+The 256 shard folders are created once at start-up, so the write path never calls mkdir; 256
+shards keep folders at a few thousand files for a terabyte of 256 KiB blocks.
+
+Why one file per block and not a slab: publication is a single ``rename`` (atomic on POSIX, and
+the same on the shared filesystems a later tier uses), several processes can share the folder with
+no lock and no shared index, and a reader that already opened a file keeps its bytes even if GC
+unlinks it. The header carries everything the index needs, so another process's blocks are
+discovered by reading 128 bytes (``probe``), never the payload.
+
+Crash safety: a crash before the rename leaves only a temp file, which recovery deletes once its
+writer pid is gone; after the rename the block is complete. ``fsync: true`` adds durability across
+power loss at the cost of write bandwidth.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..blockfmt import HEADER_SIZE, FormatError, pack_header, payload_checksum, unpack_header
+from ..index import EntryMeta
+from ..metrics import Counters
+from .base import BlockTier
+
+log = logging.getLogger(__name__)
+_SUFFIX = ".kvb"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskTier(BlockTier):
+    name = "l2"
+    bit = 2
+
+    def __init__(self, counters: Counters, root: Path, capacity: int, fsync: bool = False) -> None:
+        super().__init__(counters)
+        self.root = Path(root)
+        self._capacity = capacity
+        self._fsync = fsync
+        self._blocks = self.root / "blocks"
+        self._tails = self.root / "tails"
+        for d in (self.root, self._blocks, self._tails):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        for i in range(256):
+            (self._blocks / f"{i:02x}").mkdir(mode=0o700, exist_ok=True)
+        self._prefix = str(self._blocks) + os.sep
+        self._lock = threading.Lock()
+        self._used = 0
+        self._seq = itertools.count()
+        self._made: set[Path] = set()
+
+    # ------------------------------------------------------------------ paths
+    def path(self, key: bytes) -> Path:
+        return Path(self._file(key))
+
+    def _file(self, key: bytes) -> str:
+        h = key.hex()
+        return f"{self._prefix}{h[:2]}/{h}{_SUFFIX}"
+
+    def _tail_dir(self, parent: bytes) -> Path:
+        h = parent.hex()
+        return self._tails / h[:2] / h
+
+    def _ensure_dir(self, d: Path) -> None:
+        if d not in self._made:
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._made.add(d)
+
+    # -------------------------------------------------------------- interface
+    def write(self, meta: EntryMeta, payload: torch.Tensor) -> bool:
+        if not meta.checksum:
+            raise ValueError("disk writes need the payload checksum in meta")
+        h = meta.key.hex()
+        final = f"{self._prefix}{h[:2]}/{h}{_SUFFIX}"
+        tmp = f"{self._prefix}{h[:2]}/.{h}.{os.getpid()}.{next(self._seq)}.tmp"
+        header = pack_header(meta)
+        view = memoryview(payload[: meta.size].numpy())
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                written = os.pwritev(fd, [header, view], 0)
+                if written != HEADER_SIZE + meta.size:
+                    raise OSError(errno.EIO, f"short write {written}")
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)  # publish: same key means same bytes, so last rename wins
+            if meta.tail:
+                tail = self._tail_dir(meta.parent)
+                self._ensure_dir(tail)
+                (tail / str(meta.ntok)).touch(mode=0o600)
+        except OSError as e:
+            self.counters.inc("l2_write_errors")
+            log.warning("kvstrata L2: write of %s failed: %s", final, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+        with self._lock:
+            self._used += HEADER_SIZE + meta.size
+        self.counters.inc("l2_bytes_written", meta.size)
+        return True
+
+    def read(self, meta: EntryMeta, out: torch.Tensor) -> bool:
+        path = self._file(meta.key)
+        header = bytearray(HEADER_SIZE)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self.counters.inc("l2_missing")
+            return False
+        except OSError as e:
+            log.warning("kvstrata L2: cannot open %s: %s", path, e)
+            self.counters.inc("l2_read_errors")
+            return False
+        try:
+            got = os.preadv(fd, [header, memoryview(out[: meta.size].numpy())], 0)
+        except OSError as e:
+            log.warning("kvstrata L2: read of %s failed: %s", path, e)
+            self.counters.inc("l2_read_errors")
+            return False
+        finally:
+            os.close(fd)
+        problem = self._verify(path, meta, header, got, out)
+        if problem is None:
+            self.counters.inc("l2_bytes_read", meta.size)
+            return True
+        log.warning("kvstrata L2: dropping %s: %s", path, problem)
+        self.counters.inc("checksum_failures")
+        self.delete(meta.key)
+        return False
+
+    def _verify(self, path: str, meta: EntryMeta, header: bytearray, got: int,
+                out: torch.Tensor) -> str | None:
+        if got != HEADER_SIZE + meta.size:
+            return f"size {got - HEADER_SIZE} bytes, expected {meta.size}"
+        try:
+            stored = unpack_header(header, path)
+        except FormatError as e:
+            return str(e)
+        if (stored.key, stored.parent, stored.fp, stored.size) != (meta.key, meta.parent, meta.fp, meta.size):
+            return "header does not match the index entry"
+        expected = meta.checksum or stored.checksum
+        if payload_checksum(memoryview(out[: meta.size].numpy())) != expected:
+            return "payload checksum mismatch"
+        return None
+
+    def probe(self, key: bytes) -> EntryMeta | None:
+        path = self._file(key)
+        try:
+            with open(path, "rb") as f:
+                header = f.read(HEADER_SIZE)
+                size = os.fstat(f.fileno()).st_size
+            meta = unpack_header(header, path)
+        except FileNotFoundError:
+            return None
+        except (OSError, FormatError) as e:
+            log.warning("kvstrata L2: unreadable block %s: %s", path, e)
+            self.counters.inc("l2_bad_headers")
+            return None
+        if meta.key != key or size != HEADER_SIZE + meta.size:
+            self.counters.inc("l2_bad_headers")
+            return None
+        return meta
+
+    def tail_lengths(self, parent: bytes) -> list[int]:
+        try:
+            names = os.listdir(self._tail_dir(parent))
+        except FileNotFoundError:
+            return []
+        return sorted((int(n) for n in names if n.isdigit()), reverse=True)
+
+    def delete(self, key: bytes) -> None:
+        path = self.path(key)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._used -= size
+
+    def delete_tail_marker(self, parent: bytes, ntok: int) -> None:
+        (self._tail_dir(parent) / str(ntok)).unlink(missing_ok=True)
+
+    def scan(self) -> Iterator[EntryMeta]:
+        for meta, _path, _mtime in self.scan_files():
+            yield meta
+
+    def scan_files(self, fix: bool = False) -> Iterator[tuple[EntryMeta, Path, float]]:
+        """Every committed block with its path and mtime; removes dead writers' temp files.
+
+        Unreadable headers are skipped (and deleted when ``fix``). Also recomputes used bytes.
+        """
+        used = 0
+        for path in self._blocks.glob("*/*"):
+            name = path.name
+            if name.endswith(".tmp"):
+                self._maybe_remove_temp(path)
+                continue
+            if not name.endswith(_SUFFIX):
+                continue
+            try:
+                st = path.stat()
+                with open(path, "rb") as f:
+                    meta = unpack_header(f.read(HEADER_SIZE), str(path))
+            except FileNotFoundError:
+                continue
+            except (OSError, FormatError) as e:
+                log.warning("kvstrata L2: bad block file %s: %s", path, e)
+                if fix:
+                    path.unlink(missing_ok=True)
+                continue
+            used += st.st_size
+            yield meta, path, st.st_mtime
+        with self._lock:
+            self._used = used
+
+    def _maybe_remove_temp(self, path: Path) -> None:
+        parts = path.name.split(".")  # "", key, pid, seq, "tmp"
+        pid = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else -1
+        if pid != os.getpid() and not _pid_alive(pid):
+            path.unlink(missing_ok=True)
+            self.counters.inc("l2_temp_removed")
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity

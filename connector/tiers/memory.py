@@ -1,0 +1,165 @@
+"""L1: one preallocated CPU arena of fixed-size slots (pinned when CUDA is present).
+
+The arena is a single ``[num_slots, slot_bytes]`` uint8 tensor, allocated on first use once the
+block size is known (the OS only backs pages that are touched). A slot table maps keys to slots;
+eviction is the store's decision (index LRU, pins respected), so ``write`` fails when no slot is
+free. Reads are plain copies: the bytes never left this process, so no checksum is needed. Copies go
+through numpy (a single-threaded memcpy per row, one scatter for a batch): torch's CPU copies use
+its intra-op thread pool, which collapses when the engine's own threads load every core.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..index import EntryMeta
+from ..metrics import Counters
+from .base import BlockTier
+
+log = logging.getLogger(__name__)
+
+
+def _is_rows(t: Sequence[torch.Tensor] | torch.Tensor, size: int, slot_bytes: int) -> bool:
+    """A contiguous CPU ``[n, slot_bytes]`` uint8 tensor: one batched index op can move it."""
+    return (isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == torch.uint8
+            and t.device.type == "cpu" and t.shape[1] == size == slot_bytes and t.is_contiguous())
+
+
+class MemoryTier(BlockTier):
+    name = "l1"
+    bit = 1
+    verifies = False
+
+    def __init__(self, counters: Counters, capacity: int, slot_bytes: int = 0, pin: bool = True) -> None:
+        super().__init__(counters)
+        self._capacity = capacity
+        self._pin = pin and torch.cuda.is_available()
+        self._lock = threading.Lock()
+        self._slots: dict[bytes, tuple[int, EntryMeta]] = {}
+        self._free: list[int] = []
+        self.data: torch.Tensor | None = None
+        self.slot_bytes = 0
+        if slot_bytes:
+            self._allocate(slot_bytes)
+
+    def _allocate(self, slot_bytes: int) -> None:
+        num_slots = self._capacity // slot_bytes
+        self.data = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=self._pin)
+        self.slot_bytes = slot_bytes
+        self._free = list(range(num_slots - 1, -1, -1))
+        log.info("kvstrata L1: %d slots of %d bytes (pinned=%s)", num_slots, slot_bytes, self._pin)
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.data is None else self.data.shape[0]
+
+    def has_room(self, size: int) -> bool:
+        with self._lock:
+            if self.data is None:
+                return size <= self._capacity
+            return bool(self._free) and size <= self.slot_bytes
+
+    def fits(self, size: int) -> bool:
+        """Whether a block of ``size`` bytes can ever live here."""
+        return size <= (self.slot_bytes or self._capacity)
+
+    def write(self, meta: EntryMeta, payload: torch.Tensor) -> bool:
+        with self._lock:
+            if meta.key in self._slots:
+                return True
+            if self.data is None:
+                self._allocate(meta.size)
+            if not self._free or meta.size > self.slot_bytes:
+                return False
+            slot = self._free.pop()
+        # Copy outside the lock into a slot nobody can see yet (copy-on-write), then publish.
+        assert self.data is not None
+        self.data.numpy()[slot, : meta.size] = payload[: meta.size].numpy()
+        with self._lock:
+            self._slots[meta.key] = (slot, meta)
+        return True
+
+    def read(self, meta: EntryMeta, out: torch.Tensor) -> bool:
+        with self._lock:
+            held = self._slots.get(meta.key)
+        if held is None:
+            return False
+        assert self.data is not None
+        out[: meta.size].numpy()[:] = self.data.numpy()[held[0], : meta.size]
+        return True
+
+    # Batched paths: one index_select / index_copy_ for many blocks instead of a copy per block.
+    def reserve(self, n: int, size: int) -> list[int]:
+        """Take up to ``n`` free slots for blocks of ``size`` bytes (invisible until ``publish``)."""
+        with self._lock:
+            if self.data is None:
+                self._allocate(size)
+            if size > self.slot_bytes:
+                return []
+            k = min(n, len(self._free))
+            slots = self._free[len(self._free) - k :]
+            del self._free[len(self._free) - k :]
+            return slots
+
+    def copy_in(self, slots: list[int], payloads: Sequence[torch.Tensor] | torch.Tensor, size: int) -> None:
+        """Row i of ``payloads`` (uint8, >= ``size`` bytes) goes to ``slots[i]``."""
+        assert self.data is not None
+        dst = self.data.numpy()
+        if _is_rows(payloads, size, self.slot_bytes):
+            dst[slots] = payloads.numpy()  # type: ignore[union-attr]  # one batched scatter
+        else:
+            for slot, row in zip(slots, payloads):
+                dst[slot, :size] = row[:size].numpy()
+
+    def publish(self, metas: list[EntryMeta], slots: list[int]) -> None:
+        with self._lock:
+            for meta, slot in zip(metas, slots):
+                if meta.key in self._slots:
+                    self._free.append(slot)
+                else:
+                    self._slots[meta.key] = (slot, meta)
+
+    def slots_of(self, keys: list[bytes]) -> list[int | None]:
+        with self._lock:
+            return [None if (h := self._slots.get(k)) is None else h[0] for k in keys]
+
+    def copy_out(self, slots: list[int], out: Sequence[torch.Tensor] | torch.Tensor, size: int) -> None:
+        """Gather ``slots`` into the first ``len(slots)`` rows of ``out`` (``[n, >= size]``)."""
+        assert self.data is not None
+        src = self.data.numpy()
+        for i, slot in enumerate(slots):  # numpy row copies: memcpy speed, no thread pool
+            out[i][:size].numpy()[:] = src[slot, :size]
+
+    def slot_of(self, key: bytes) -> int | None:
+        with self._lock:
+            held = self._slots.get(key)
+        return None if held is None else held[0]
+
+    def probe(self, key: bytes) -> EntryMeta | None:
+        with self._lock:
+            held = self._slots.get(key)
+        return None if held is None else held[1]
+
+    def delete(self, key: bytes) -> None:
+        with self._lock:
+            held = self._slots.pop(key, None)
+            if held is not None:
+                self._free.append(held[0])
+
+    def scan(self) -> Iterator[EntryMeta]:
+        with self._lock:
+            metas = [meta for _, meta in self._slots.values()]
+        yield from metas
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._slots) * self.slot_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity

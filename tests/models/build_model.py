@@ -1,0 +1,113 @@
+"""Build a small random-weight model folder for tests and benchmarks, with no network.
+
+Usage: python tests/models/build_model.py OUT_DIR [--preset tiny|small]
+
+Trains a byte-level BPE tokenizer on deterministically generated text, wraps it in a
+PreTrainedTokenizerFast with a chat template, builds a model with random bf16 weights
+from a fixed seed and saves both into OUT_DIR. The same preset gives the same files on
+every run. The folder is built next to OUT_DIR and renamed into place, so an existing
+OUT_DIR is a complete model and the build is skipped.
+"""
+
+import argparse
+import logging
+import os
+import random
+import shutil
+import sys
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+log = logging.getLogger("build_model")
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SHAPE = dict(head_dim=64, max_position_embeddings=4096, torch_dtype="bfloat16",
+             rms_norm_eps=1e-6, rope_theta=10000.0)
+PRESETS = {
+    # ~3.4M parameters: fast to build and start, too fast to show timing differences.
+    "tiny": (LlamaConfig, LlamaForCausalLM, 3072, dict(
+        num_hidden_layers=4, hidden_size=256, intermediate_size=688,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    # Qwen2-0.5B shape (494M parameters, 151936-entry embedding table).
+    "small": (Qwen2Config, Qwen2ForCausalLM, 8192, dict(
+        num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
+        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+        vocab_size=151936, rope_theta=1000000.0)),
+}
+REQUIRED_FILES = ("config.json", "tokenizer.json", "model.safetensors")
+
+
+def corpus(n_lines=20000, seed=1234):
+    """Yield deterministic pseudo-English lines with digits and punctuation."""
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pre", "str", "ing",
+                 "tion", "er", "an", "the", "qu", "ex", "al", "or", "is"]
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(3000)]
+    for _ in range(n_lines):
+        line = " ".join(rng.choices(words, k=rng.randint(4, 16)))
+        line += rng.choice([".", ",", "?", "!", ";", f" {rng.randint(0, 99999)}."])
+        yield line.capitalize()
+
+
+def build_tokenizer(vocab_size):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def build(out_dir, preset):
+    config_cls, model_cls, tok_vocab, shape = PRESETS[preset]
+    tokenizer = build_tokenizer(tok_vocab)
+    vocab = shape.get("vocab_size") or -(-len(tokenizer) // 128) * 128
+    config = config_cls(**{**SHAPE, **shape, "vocab_size": vocab},
+                        bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.bfloat16).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("preset %s: %d parameters, tokenizer vocab %d, model vocab %d",
+             preset, n_params, len(tokenizer), vocab)
+    tmp_dir = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tokenizer.save_pretrained(tmp_dir)
+    model.save_pretrained(tmp_dir)
+    os.replace(tmp_dir, out_dir)
+
+
+def is_complete(out_dir):
+    return all(os.path.isfile(os.path.join(out_dir, f)) for f in REQUIRED_FILES)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if is_complete(args.out_dir):
+        log.info("%s already holds a model, skipping the build", args.out_dir)
+        return 0
+    if os.path.exists(args.out_dir):
+        log.error("%s exists but is not a complete model; remove it first", args.out_dir)
+        return 1
+    build(args.out_dir, args.preset)
+    log.info("wrote %s", args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
