@@ -25,7 +25,15 @@ assert HEADER_SIZE == 128
 
 
 class FormatError(ValueError):
-    """A stored header is not a valid kvstrata block header."""
+    """A stored header is not a valid kvstrata block header.
+
+    ``corrupt`` is False only for a well-formed header of another format version (a different
+    kvstrata may share the folder: leave its files alone); everything else is damage.
+    """
+
+    def __init__(self, message: str, corrupt: bool = True) -> None:
+        super().__init__(message)
+        self.corrupt = corrupt
 
 
 def pack_header(meta: EntryMeta) -> bytes:
@@ -47,7 +55,7 @@ def unpack_header(buf: bytes | memoryview, where: str = "block") -> EntryMeta:
     if magic != MAGIC:
         raise FormatError(f"{where}: bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
-        raise FormatError(f"{where}: format version {version}, expected {FORMAT_VERSION}")
+        raise FormatError(f"{where}: format version {version}, expected {FORMAT_VERSION}", corrupt=False)
     if not 0 < size <= MAX_BLOCK_BYTES:
         raise FormatError(f"{where}: payload size {size} out of range (0, {MAX_BLOCK_BYTES}]")
     if not 0 < ntok < 1 << 24:

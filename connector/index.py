@@ -106,23 +106,27 @@ class BlockIndex:
     # ------------------------------------------------------------------ lookup
     def match(self, ns_seed: bytes, epoch: int, chain: BlockChain, start: int = 0) -> int:
         """Number of blocks of ``chain[start:]`` that form a committed, valid run. Never reads KV."""
-        kb = self._key_bytes
+        return len(self.match_rows(ns_seed, epoch, chain, start))
+
+    def match_rows(self, ns_seed: bytes, epoch: int, chain: BlockChain, start: int = 0) -> np.ndarray:
+        """Rows of the committed, valid run of ``chain[start:]`` (see ``match``)."""
+        keys = chain.keys[start:] if start else chain.keys
+        if self._key_bytes < 16:
+            keys = [k[: self._key_bytes] for k in keys]
         with self._lock:
-            get = self._rows.get
-            rows = []
-            for key in chain.keys[start:]:
-                row = get(key[:kb])
-                if row is None:
-                    break
-                rows.append(row)
+            rows = list(map(self._rows.get, keys))  # C-level loop over the dict
+            try:
+                rows = rows[: rows.index(None)]
+            except ValueError:
+                pass
             if not rows:
-                return 0
+                return np.empty(0, np.int64)
             r = np.array(rows, dtype=np.int64)
             bad = np.flatnonzero(~self._valid(ns_seed, epoch, chain, r, start))
-            n = int(bad[0]) if len(bad) else len(rows)
-            self._tick += 1
-            self._last[r[:n]] = self._tick
-            return n
+            if len(bad):
+                r = r[: bad[0]]
+            self._stamp(r)
+            return r
 
     def valid_mask(self, ns_seed: bytes, epoch: int, chain: BlockChain) -> np.ndarray:
         """Per block of ``chain``: is a valid copy already committed? (Used to skip re-saves.)"""
@@ -137,26 +141,38 @@ class BlockIndex:
     def _valid(self, ns_seed: bytes, epoch: int, chain: BlockChain, r: np.ndarray, start: int) -> np.ndarray:
         """Vectorized entry check of rows ``r`` against ``chain[start:start+len(r)]``."""
         n = len(r)
-        ns = self._ns_ids.get(ns_seed, -1)
         stop = start + n
-        want_parent = np.frombuffer(b"".join(chain.parents[start:stop]), np.uint64).reshape(n, 2)
-        want_key = np.frombuffer(b"".join(chain.keys[start:stop]), np.uint64).reshape(n, 2)
-        return (
-            (self._parent[r] == want_parent).all(1)
-            & (self._key[r] == want_key).all(1)
-            & (self._fp[r] == np.array(chain.fps[start:stop], np.uint64))
-            & (self._ntok[r] == np.array(chain.lengths[start:stop], np.uint32))
+        ns = self._ns_ids.get(ns_seed, -1)
+        parent = np.frombuffer(b"".join(chain.parents[start:stop]), np.uint64)
+        lengths = chain.lengths[start:stop]
+        ntok = np.full(n, lengths[0], np.uint32)
+        if lengths[-1] != lengths[0] or lengths.count(lengths[0]) != n:
+            ntok = np.array(lengths, np.uint32)
+        ok = (
+            (self._parent[r, 0] == parent[0::2])
+            & (self._parent[r, 1] == parent[1::2])
+            & (self._fp[r] == np.fromiter(chain.fps[start:stop], np.uint64, n))
+            & (self._ntok[r] == ntok)
             & (self._epoch[r] == epoch)
             & (self._ns[r] == ns)
             & (self._tiers[r] != 0)
         )
+        if self._key_bytes < 16:  # the dict matched only a prefix of the key: compare the rest
+            key = np.frombuffer(b"".join(chain.keys[start:stop]), np.uint64)
+            ok &= (self._key[r, 0] == key[0::2]) & (self._key[r, 1] == key[1::2])
+        return ok
 
     def rows_of(self, keys: list[bytes]) -> np.ndarray:
         """Rows of keys validated by ``match`` (same order); -1 where the entry has gone since."""
         kb = self._key_bytes
         with self._lock:
             get = self._rows.get
-            return np.array([get(k[:kb], -1) for k in keys], dtype=np.int64)
+            rows = np.array([get(k[:kb], -1) for k in keys], dtype=np.int64)
+            if kb < 16:  # a truncated key may now name a different block
+                for i, (k, row) in enumerate(zip(keys, rows)):
+                    if row >= 0 and self._key[row].tobytes() != k:
+                        rows[i] = -1
+            return rows
 
     def tail_lengths(self, parent: bytes) -> list[int]:
         """Token counts of partial blocks stored after ``parent``, longest first."""
@@ -266,8 +282,7 @@ class BlockIndex:
             self._ns[rows] = np.array([self._ns_id(m.ns_seed) for m in new], np.uint16)
             self._pins[rows] = 0
             self._tiers[rows] = tier_bit
-            self._tick += 1
-            self._last[rows] = self._tick
+            self._stamp(rows)
             for m in new:
                 if m.tail:
                     self._tails.setdefault(m.parent, set()).add(m.ntok)
@@ -362,8 +377,14 @@ class BlockIndex:
 
     def touch(self, rows: np.ndarray) -> None:
         with self._lock:
-            self._tick += 1
-            self._last[rows] = self._tick
+            self._stamp(np.asarray(rows, np.int64))
+
+    def _stamp(self, rows: np.ndarray) -> None:
+        """Mark rows used now; earlier rows count as more recent, so that eviction takes the end
+        of a chain before its beginning (a block is useless once a block before it is gone)."""
+        n = len(rows)
+        self._last[rows] = self._tick + np.arange(n, 0, -1, dtype=np.uint64)
+        self._tick += n
 
     # ------------------------------------------------------------------ views
     def entries(self) -> Iterator[tuple[int, EntryMeta, int]]:

@@ -139,19 +139,18 @@ def chain_keys(
     if limit is not None:
         ends = ends[:limit]
     keys: list[bytes] = []
-    parents: list[bytes] = []
     fps: list[int] = []
-    lengths: list[int] = []
     prev, start = root, 0
-    for end in ends:
+    for end in ends:  # per block, not per token: one slice, one concatenation, two hashes
         data = prev + buf[start:end] + extra
-        parents.append(prev)
         prev = _h128(data)
         keys.append(prev)
         fps.append(_h64(data, FP_SEED))
-        lengths.append((end - start) // TOKEN_DTYPE.itemsize)
         start = end
-    return BlockChain(keys, parents, fps, lengths)
+    lengths = [block_size] * len(keys)
+    if keys and ends[-1] - (ends[-2] if len(ends) > 1 else 0) != step:
+        lengths[-1] = (ends[-1] % step) // TOKEN_DTYPE.itemsize
+    return BlockChain(keys, [root, *keys[:-1]], fps, lengths)
 
 
 def block_key(parent: bytes, tokens: np.ndarray, extra: bytes = NO_EXTRA) -> tuple[bytes, int]:

@@ -92,7 +92,7 @@ class BlockStore:
 
     def _recover(self, tier: DiskTier) -> None:
         """Rebuild the index from committed files (oldest first, for LRU); drop dead temp files."""
-        found = sorted(tier.scan_files(), key=lambda item: item[2])
+        found = sorted(tier.scan_files(), key=lambda item: item[2], reverse=True)  # newest first
         self.index.commit_many([meta for meta, _path, _mtime in found], tier.bit)
         if found:
             log.info("kvstrata: recovered %d blocks (%d bytes) from %s", len(found), tier.used_bytes, tier.root)
@@ -108,15 +108,18 @@ class BlockStore:
                *, pin: bool = False) -> Hit:
         tokens = as_tokens(tokens)
         epoch, chain = self.chain(ns, tokens, extra)
-        n = self._match(ns.seed, epoch, chain, 0)
-        hit = _slice(chain, 0, n)
+        rows_full = self.index.match_rows(ns.seed, epoch, chain)
+        n = len(rows_full)
+        if n < len(chain.keys):  # blocks another process stored are adopted from tier headers
+            n += self._match(ns.seed, epoch, chain, n)
+        hit = chain if n == len(chain.keys) else _slice(chain, 0, n)
         if n < len(chain.keys):
             tail = self._match_tail(ns, epoch, chain.parents[n], tokens[n * ns.block_size :], extra)
             if tail is not None:
                 hit = BlockChain(*(a + b for a, b in zip(hit, tail)))
-        rows = self.index.rows_of(hit.keys)
+        rows = rows_full if len(hit.keys) == len(rows_full) else self.index.rows_of(hit.keys)
         lease = self.index.pin(rows) if pin and len(rows) else None
-        tiers = [int(t) for t in self.index.tiers_of(rows)]
+        tiers = self.index.tiers_of(rows).tolist()
         self.counters.inc("lookups")
         self.counters.inc("lookup_hit_blocks", len(rows))
         return Hit(ns, epoch, hit, tiers, lease)
@@ -266,7 +269,7 @@ class BlockStore:
         with self._evict_lock:
             slots = self.l1.reserve(len(metas), size)
             while len(slots) < len(metas):
-                victims = self.index.lru_victims(self.l1.bit, max(_EVICT_BATCH, len(metas) - len(slots)))
+                victims = self.index.lru_victims(self.l1.bit, len(metas) - len(slots))
                 if not victims:
                     self.counters.inc("l1_full", len(metas) - len(slots))
                     break
@@ -293,7 +296,7 @@ class BlockStore:
         if demote:
             slot = self.l1.slot_of(meta.key)
             if slot is not None and self.l1.data is not None:
-                self.write_backing(meta, self.l1.data[slot, : meta.size])
+                self.write_backing([meta], [self.l1.data[slot, : meta.size]])
                 self.counters.inc("l1_demoted")
         if self.index.claim(row, self.l1.bit):
             self.l1.delete(meta.key)
@@ -305,20 +308,29 @@ class BlockStore:
         rows = np.array([row for _, row in stored], np.int64)
         lease = self.index.pin(rows)  # keep the L1 copies while they are written out
         try:
-            for meta, _row in stored:
-                slot = self.l1.slot_of(meta.key)
-                if slot is not None and self.l1.data is not None:
-                    self.write_backing(meta, self.l1.data[slot, : meta.size])
+            slots = self.l1.slots_of([meta.key for meta, _ in stored])
+            todo = [(meta, slot) for (meta, _), slot in zip(stored, slots) if slot is not None]
+            if todo and self.l1.data is not None:
+                self.write_backing([m for m, _ in todo], [self.l1.data[s, : m.size] for m, s in todo])
         finally:
             self.index.unpin(lease)
+        for tier in self.backing:  # blocks pinned during the write could not be evicted then
+            self._enforce_capacity(tier)
 
-    def write_backing(self, meta: EntryMeta, payload: torch.Tensor) -> None:
-        """Checksum one block and publish it on every backing tier (write-through, demotion)."""
-        meta = meta._replace(checksum=payload_checksum(memoryview(payload.numpy())))
+    def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor]) -> int:
+        """Checksum blocks and publish them on every backing tier, then commit them together.
+
+        Used by write-through, demotion and the benchmark. Returns how many the first tier took.
+        """
+        metas = [m._replace(checksum=payload_checksum(memoryview(p[: m.size].numpy())))
+                 for m, p in zip(metas, payloads)]
+        first = 0
         for tier in self.backing:
-            if tier.write(meta, payload):
-                self.index.commit(meta, tier.bit)
-                self._enforce_capacity(tier)
+            done = [m for m, p in zip(metas, payloads) if tier.write(m, p)]
+            self.index.commit_many(done, tier.bit)
+            self._enforce_capacity(tier)
+            first = first or len(done)
+        return first
 
     def _enforce_capacity(self, tier: BlockTier) -> None:
         while tier.used_bytes > tier.capacity_bytes:
@@ -326,8 +338,10 @@ class BlockStore:
             if not victims:
                 return
             for row in victims:
-                self._drop_from(tier, row)
-            self.counters.inc(f"{tier.name}_evicted", len(victims))
+                if tier.used_bytes <= tier.capacity_bytes:
+                    return
+                if self._drop_from(tier, row):
+                    self.counters.inc(f"{tier.name}_evicted")
 
     def _drop_from(self, tier: BlockTier, row: int) -> bool:
         meta = self.index.meta(row)

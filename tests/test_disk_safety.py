@@ -103,8 +103,9 @@ def test_damaged_block_found_by_a_fresh_store_is_not_served_and_is_deleted(tmp_p
 class _Lines:
     """Lines of a child's stdout, read by a thread so that waits can time out."""
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    def __init__(self, proc: subprocess.Popen, stderr: Path) -> None:
         self.proc = proc
+        self.stderr = stderr
         self.queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -118,13 +119,14 @@ class _Lines:
             line = self.queue.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError("child process did not answer in time") from None
-        assert line is not None, f"child process died: {self.proc.stderr.read()}"
+        assert line is not None, f"child process died: {self.stderr.read_text()}"
         return line
 
 
 def test_writers_killed_at_random_points_leave_only_complete_blocks(tmp_path, ns):
-    """Scenario: five rounds, each a fresh writer process putting 4-block prompts (16 KiB blocks,
-    key-derived payloads) in a loop until SIGKILLed after a random 0.05-0.5 s. A torn temp file
+    """Scenario: five rounds, each a fresh writer process (forked by a helper subprocess) putting
+    4-block prompts (16 KiB blocks, key-derived payloads, write-through, 4 MiB L2 so capacity
+    deletions happen too) in a loop until SIGKILLed after a random 0.05-0.5 s. A torn temp file
     of the last dead writer is also left behind. Reopening the folder then: removes every .tmp
     file, finds only block files whose header and payload are complete and equal to what their
     key implies, serves every prompt it hits with exactly the expected bytes, and still has the
@@ -133,10 +135,12 @@ def test_writers_killed_at_random_points_leave_only_complete_blocks(tmp_path, ns
     rng = random.Random(1234)
     progress: dict[int, int] = {}
     last_pid = 0
-    proc = subprocess.Popen(
-        [sys.executable, str(CHILD), "crash-forker", str(tmp_path), str(size), str(l2_size)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    lines = _Lines(proc)
+    stderr = tmp_path / "writers.stderr"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(CHILD), "crash-forker", str(tmp_path), str(size), str(l2_size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+    lines = _Lines(proc, stderr)
     try:
         assert lines.next() == "loaded"
         for r in range(rounds):
@@ -197,8 +201,8 @@ def test_writers_killed_at_random_points_leave_only_complete_blocks(tmp_path, ns
                 assert n == hit.num_blocks
                 assert_payloads_match(hit.chain.keys, out, n, size)
                 hits += n
-        final = store.lookup(ns, crash_prompt(rounds - 1, progress[rounds - 1]))
-        assert final.num_tokens == CRASH_PROMPT_TOKENS
+        last_put = store.lookup(ns, crash_prompt(rounds - 1, progress[rounds - 1]))
+        assert last_put.num_tokens == CRASH_PROMPT_TOKENS
         assert hits > 0
         assert store.counters.get("checksum_failures") == 0
 

@@ -4,15 +4,14 @@ async saves, truncated-key collisions, and a property test of the longest-prefix
 from __future__ import annotations
 
 import os
-import random
-import tempfile
+import itertools
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import (BLOCK_BYTES, BLOCK_SIZE, assert_payloads_match, load_hit, make_config,
@@ -557,32 +556,49 @@ def _expected_hit(stored: list[list[int]], query: list[int], bs: int) -> int:
 _SMALL_BS = 4
 _tok = st.integers(0, 2)
 _pieces = st.tuples(st.integers(0, 24), st.lists(_tok, max_size=9))
+_example_ids = itertools.count()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.fixture(scope="module")
+def shared_pair(tmp_path_factory):
+    """A writer and a reader store on one folder, both opened before any example writes.
+
+    Opening a store costs ~256 mkdir calls, so the examples share the pair and stay
+    independent by each using a namespace of its own."""
+    cfg = make_config(tmp_path_factory.mktemp("prop"), **{"l1.size": 16 << 20})
+    reader, writer = BlockStore(cfg), BlockStore(cfg)
+    yield writer, reader
+    writer.close()
+    reader.close()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(base=st.lists(_tok, min_size=24, max_size=24),
        stored=st.lists(_pieces, min_size=1, max_size=5),
        queries=st.lists(_pieces, min_size=1, max_size=6))
-def test_lookup_hits_the_longest_stored_prefix(base, stored, queries):
+def test_lookup_hits_the_longest_stored_prefix(shared_pair, base, stored, queries):
     """Scenario (property): sequences built from shared prefixes of one base sequence plus short
     random suffixes over a 3-token vocabulary (block size 4) are stored; for every query, both
     the writing store and a second store opened on the same folder before the writes (which
     discovers blocks and tail markers on disk) hit exactly the longest stored prefix that the
     reference model computes (full blocks first, then at most one partial tail)."""
-    ns = make_namespace(block_size=_SMALL_BS)
+    writer, reader = shared_pair
+    ns = make_namespace(block_size=_SMALL_BS, model_version=f"example-{next(_example_ids)}")
     stored_seqs = [base[:cut] + suffix for cut, suffix in stored]
     query_seqs = [base[:cut] + suffix for cut, suffix in queries] + stored_seqs
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = make_config(Path(tmp), **{"l1.size": 256 * 64})
-        with BlockStore(cfg) as reader, BlockStore(cfg) as writer:
-            for s in stored_seqs:
-                epoch, chain = writer.chain(ns, s)
-                writer.put(ns, epoch, chain, payloads_for(chain, 64))
-            for q in query_seqs:
-                want = _expected_hit(stored_seqs, q, _SMALL_BS)
-                for store in (writer, reader):
-                    hit = store.lookup(ns, q)
-                    assert hit.num_tokens == want, (q, store is reader)
-                    n, out = load_hit(store, hit, 64)
-                    assert n == hit.num_blocks
-                    assert_payloads_match(hit.chain.keys, out, n, 64)
+    for s in stored_seqs:
+        epoch, chain = writer.chain(ns, s)
+        writer.put(ns, epoch, chain, payloads_for(chain, 64))
+    for q in query_seqs:
+        want = _expected_hit(stored_seqs, q, _SMALL_BS)
+        event("miss" if not want else "ends in a partial tail" if want % _SMALL_BS
+              else "full blocks only")
+        for store in (writer, reader):
+            hit = store.lookup(ns, q)
+            assert hit.num_tokens == want, (q, store is reader)
+            n, out = load_hit(store, hit, 64)
+            assert n == hit.num_blocks
+            assert_payloads_match(hit.chain.keys, out, n, 64)
+    # the reference model assumes nothing is ever evicted
+    assert writer.counters.get("l1_evicted") == reader.counters.get("l1_evicted") == 0

@@ -102,8 +102,7 @@ def _memory_and_disk(block_bytes: int, total: int, rounds: int, tmp: Path) -> di
         metas = [store.index.meta(int(row)) for row in store.index.rows_of(chain.keys)]
 
         def disk_put() -> None:
-            for i in range(n):
-                store.write_backing(metas[i], src[i])
+            store.write_backing(metas, list(src))
 
         metas_on_disk: list[EntryMeta] = []
 

