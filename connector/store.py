@@ -39,6 +39,13 @@ log = logging.getLogger(__name__)
 _EVICT_BATCH = 16
 
 
+class Reservation(NamedTuple):
+    """L1 slots handed out for blocks being written; invisible until committed."""
+
+    metas: list[EntryMeta]
+    slots: list[int]
+
+
 class Hit(NamedTuple):
     """A validated stored prefix. ``chain`` lists the blocks to load, in order."""
 
@@ -201,12 +208,20 @@ class BlockStore:
         if bits & self.l1.bit and self.l1.read(meta, out):
             self.counters.inc("hit_blocks_l1")
             return True
+        if self._read_backing(row, meta, out, bits):
+            self._put_l1([meta], [out])  # promote
+            return True
+        return False
+
+    def _read_backing(self, row: int, meta: EntryMeta, out: torch.Tensor, bits: int | None = None) -> bool:
+        """Read a block from the first backing tier that holds a good copy (bad ones are dropped)."""
+        if bits is None:
+            bits = int(self.index.tiers_of(np.array([row]))[0])
         for tier in self.backing:
             if not bits & tier.bit:
                 continue
             if tier.read(meta, out):
                 self.counters.inc(f"hit_blocks_{tier.name}")
-                self._put_l1([meta], [out])  # promote
                 return True
             self.index.drop_tier(row, tier.bit)  # the tier deleted its bad or missing copy
         return False
@@ -244,14 +259,20 @@ class BlockStore:
         """Wait for queued saves (tests, shutdown)."""
         return self._saver.flush(timeout)
 
+    def _metas(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> tuple[list[int], list[EntryMeta]]:
+        """Indices and metadata of the blocks of ``chain`` that are not validly stored yet."""
+        todo = np.flatnonzero(~self.index.valid_mask(ns.seed, epoch, chain)).tolist()
+        return todo, [EntryMeta(chain.keys[i], chain.parents[i], chain.fps[i], chain.lengths[i], ns.seed,
+                                epoch, size, 0, chain.lengths[i] < ns.block_size) for i in todo]
+
     def _put_chain(self, ns: Namespace, epoch: int, chain: BlockChain,
                    payloads: Sequence[torch.Tensor] | torch.Tensor) -> list[tuple[EntryMeta, int]]:
-        todo = np.flatnonzero(~self.index.valid_mask(ns.seed, epoch, chain)).tolist()
-        if not todo:
+        if not chain.keys:
             return []
         rows = _byte_rows(payloads)
-        metas = [EntryMeta(chain.keys[i], chain.parents[i], chain.fps[i], chain.lengths[i], ns.seed,
-                           epoch, rows[i].numel(), 0, chain.lengths[i] < ns.block_size) for i in todo]
+        todo, metas = self._metas(ns, epoch, chain, rows[0].numel() if len(rows) else 0)
+        if not todo:
+            return []
         if todo == list(range(todo[0], todo[0] + len(todo))):
             src = rows[todo[0] : todo[0] + len(todo)]  # a view: no gather copy
         else:
@@ -262,10 +283,19 @@ class BlockStore:
 
     def _put_l1(self, metas: list[EntryMeta], src: Sequence[torch.Tensor] | torch.Tensor) -> list[tuple[EntryMeta, int]]:
         """Copy blocks into fresh L1 slots (evicting LRU), then commit them. Returns (meta, row)."""
+        res = self._reserve(metas)
+        if not res.slots:
+            return []
+        self.l1.copy_in(res.slots, src[: len(res.slots)], res.metas[0].size)  # nobody sees them yet
+        return self._publish(res)
+
+    def _reserve(self, metas: list[EntryMeta]) -> Reservation:
+        if not metas:
+            return Reservation([], [])
         size = metas[0].size
         if any(m.size != size for m in metas) or not self.l1.fits(size):
             self.counters.inc("l1_too_large" if not self.l1.fits(size) else "l1_mixed_sizes")
-            return []
+            return Reservation([], [])
         with self._evict_lock:
             slots = self.l1.reserve(len(metas), size)
             while len(slots) < len(metas):
@@ -276,18 +306,72 @@ class BlockStore:
                 for row in victims:
                     self._evict_l1(row)
                 slots += self.l1.reserve(len(metas) - len(slots), size)
-        metas = metas[: len(slots)]
-        if not metas:
-            return []
-        self.l1.copy_in(slots, src[: len(slots)], size)  # fresh slots: nobody can read them yet
-        self.l1.publish(metas, slots)
+        return Reservation(metas[: len(slots)], slots)
+
+    def _publish(self, res: Reservation) -> list[tuple[EntryMeta, int]]:
+        self.l1.publish(res.metas, res.slots)
         stored = []
-        for meta, row in zip(metas, self.index.commit_many(metas, self.l1.bit)):
+        for meta, row in zip(res.metas, self.index.commit_many(res.metas, self.l1.bit)):
             if row is None:
                 self.l1.delete(meta.key)  # key collision: the first writer keeps the key
             else:
                 stored.append((meta, row))
         return stored
+
+    # ------------------------------------------- zero-copy writes and staging
+    def reserve(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
+        """Fresh L1 slots for the blocks of ``chain`` not stored yet (a prefix of them if L1 is
+        full). Nobody can see the slots until ``commit``; the caller fills ``l1.data[slot]``."""
+        _todo, metas = self._metas(ns, epoch, chain, size)
+        return self._reserve(metas)
+
+    def commit(self, res: Reservation) -> int:
+        """Publish filled slots (index first sees them now) and queue their write-through."""
+        if not res.slots:
+            return 0
+        stored = self._publish(res)
+        self.counters.inc("saved_blocks", len(stored))
+        if stored and self.l2 is not None and self.config.l2.write == "through":
+            if not self._saver.submit(len(stored), lambda: self._write_through(stored)):
+                self.counters.inc("saves_dropped", len(stored))
+        return len(stored)
+
+    def abort(self, res: Reservation) -> None:
+        """Give back slots of a reservation that will not be committed."""
+        self.l1.release(res.slots)
+
+    def stage(self, hit: Hit) -> int:
+        """Make the hit's blocks resident in L1 (reading backing tiers, verifying checksums).
+
+        Returns how many leading blocks are now in L1; the rest of the prefix is not usable.
+        """
+        keys = hit.chain.keys
+        rows = self.index.rows_of(keys)
+        slots = self.l1.slots_of(keys)
+        for i, (row, slot) in enumerate(zip(rows, slots)):
+            if row < 0:
+                return i
+            if slot is not None:
+                continue
+            meta = self.index.meta(int(row))
+            res = self._reserve([meta])
+            if not res.slots:
+                return i
+            assert self.l1.data is not None
+            view = self.l1.data[res.slots[0], : meta.size]
+            if not self._read_backing(int(row), meta, view):
+                self.abort(res)
+                self.counters.inc("load_failures")
+                return i
+            self._publish(res)
+        return len(keys)
+
+    def l1_slots(self, hit: Hit) -> list[int | None]:
+        return self.l1.slots_of(hit.chain.keys)
+
+    def submit(self, n_blocks: int, job: Callable[[], None]) -> bool:
+        """Run ``job`` on the background queue (False, and nothing queued, when it is full)."""
+        return self._saver.submit(n_blocks, job)
 
     def _evict_l1(self, row: int) -> None:
         meta = self.index.meta(row)

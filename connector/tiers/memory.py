@@ -116,6 +116,11 @@ class MemoryTier(BlockTier):
             for slot, row in zip(slots, payloads):
                 dst[slot, :size] = row[:size].numpy()
 
+    def release(self, slots: list[int]) -> None:
+        """Return reserved slots that were never published."""
+        with self._lock:
+            self._free.extend(slots)
+
     def publish(self, metas: list[EntryMeta], slots: list[int]) -> None:
         with self._lock:
             for meta, slot in zip(metas, slots):

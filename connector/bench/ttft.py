@@ -1,0 +1,329 @@
+"""``kvstrata bench ttft``: time to first token of one long prompt, cold and from each kind of cache.
+
+Every configuration runs the same deterministic prompt (token ids drawn with a fixed seed from the
+model's vocabulary, special tokens left out) in its own engine subprocess
+(``kvstrata.bench.ttft_worker``), one engine at a time, all with the same environment. TTFT is the
+wall time of a greedy ``max_tokens=1`` request; each figure is the median of ``--rounds`` (5).
+Every engine first serves one warm-up request on a different prompt of the same length, so no
+figure includes first-request overheads, and no warm-up shares a prefix with the prompt.
+
+- ``cold``: no connector, prefix caching off.
+- ``native``: vLLM's own prefix-cache hit (store once, then repeat): the floor.
+- ``l1``: kvstrata's connector, store once, then ``reset_prefix_cache()`` before each request.
+- ``l2``: kvstrata's connector in a fresh engine process per measurement, on the disk folder that
+  one earlier process filled: its first request on the prompt is the measured one (L1 empty).
+- ``peer``: vLLM's ``ExampleConnector`` (store once, then reset + request).
+- ``lmcache``: LMCache 0.5.6 in multiprocess mode (``LMCacheMPConnector`` and an ``lmcache server``),
+  installed on first use into its own folder beside the venv, used only by those subprocesses.
+
+Outputs (``max_tokens`` 8, greedy) are compared across every configuration that ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .ttft_worker import RESULT_TAG
+
+log = logging.getLogger("kvstrata.bench.ttft")
+
+CONFIGS = ("cold", "native", "l1", "l2", "peer", "lmcache")
+RATIOS = (("cold", "l1"), ("l1", "native"), ("l2", "l1"), ("l1", "peer"), ("l1", "lmcache"))
+LMCACHE_PACKAGES = ("lmcache==0.5.6", "aiofile", "caio", "aiofiles", "nvtx", "sortedcontainers",
+                    "redis", "setuptools_scm", "opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0")
+LMCACHE_MAIN = "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
+BLOCK_SIZE = 128  # vLLM on CPU needs a multiple of 32
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def strata_transfer_config(config_path: str | Path) -> dict:
+    """kv_transfer_config that loads kvstrata's connector with the given kvstrata YAML file."""
+    return {"kv_connector": "StrataConnector", "kv_connector_module_path": "kvstrata.adapters.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": str(config_path)}}
+
+
+def example_transfer_config(folder: str | Path) -> dict:
+    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
+
+
+def lmcache_transfer_config(port: int) -> dict:
+    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port,
+                                          "lmcache.mp.mq_timeout": 60.0}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=["vllm"], default="vllm")
+    parser.add_argument("--model", required=True, help="local model folder")
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--rounds", type=int, default=5, help="measurements per configuration")
+    parser.add_argument("--output-tokens", type=int, default=8, help="greedy tokens compared")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list, subset of %(default)s")
+    parser.add_argument("--kv-space-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE (default 1, 2 over 200 MB)")
+    parser.add_argument("--multiprocessing", action="store_true",
+                        help="VLLM_ENABLE_V1_MULTIPROCESSING=1 (default 0: engine in one process)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per engine process")
+    parser.add_argument("--lmcache-dir", help="LMCache install folder (default .venv-lmcache beside the venv)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, disk tiers)")
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
+
+
+def make_prompt(model: str, n: int, seed: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    vocab = min(len(tok), cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or len(tok))
+    allowed = np.setdiff1d(np.arange(vocab), np.asarray(tok.all_special_ids, dtype=np.int64))
+    return np.random.default_rng(seed).choice(allowed, size=n).tolist()
+
+
+def engine_env(args: argparse.Namespace) -> dict[str, str]:
+    space = args.kv_space_gib
+    if space is None:
+        weights = sum(p.stat().st_size for p in Path(args.model).glob("*.safetensors"))
+        space = 2 if weights > 200e6 else 1
+    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(space),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if args.multiprocessing else "0",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Runner:
+    """Runs engine subprocesses in a work folder; each keeps its log there."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, prompt: list[int], warmup: list[int]):
+        self.args, self.work, self.env = args, work, {**os.environ, **engine_env(args)}
+        self.base = {"model": str(Path(args.model).resolve()), "prompt": prompt, "warmup": warmup,
+                     "block_size": BLOCK_SIZE, "output_tokens": args.output_tokens, "settle_s": 1.0}
+
+    def engine(self, name: str, kv: dict | None, prefix_caching: bool, steps: list[str],
+               extra_env: dict | None = None) -> dict:
+        spec_path, log_path = self.work / f"{name}.json", self.work / f"{name}.log"
+        spec_path.write_text(json.dumps({**self.base, "kv_transfer_config": kv,
+                                         "prefix_caching": prefix_caching, "steps": steps}))
+        log.info("engine %s: %d steps", name, len(steps))
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "kvstrata.bench.ttft_worker", str(spec_path)],
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**self.env, **(extra_env or {})}, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=self.args.timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                _kill_group(proc)  # also ends engine-core/worker children left behind
+        result = next((json.loads(line[len(RESULT_TAG):]) for line in reversed(
+            log_path.read_text(errors="replace").splitlines()) if line.startswith(RESULT_TAG)), None)
+        if result is None:
+            why = f"timed out after {self.args.timeout:.0f} s" if rc is None else f"exit code {rc}"
+            log.error("engine %s failed (%s); log %s ends:\n%s", name, why, log_path, _tail(log_path))
+            raise BenchError(f"engine {name}: {why}; last line: {_tail(log_path, 1)[-300:]}")
+        return result
+
+
+def hit_steps(rounds: int) -> list[str]:
+    return ["warmup", "store"] + ["reset", "time"] * rounds + ["reset", "output"]
+
+
+def run_l2(runner: Runner, kv: dict, rounds: int) -> dict:
+    """Store once, then one fresh engine per measurement (and one for the output) on the same disk."""
+    runner.engine("l2-store", kv, True, ["warmup", "store"])
+    runs = [runner.engine(f"l2-{i}", kv, True, ["warmup", "time"]) for i in range(rounds)]
+    out = runner.engine("l2-output", kv, True, ["warmup", "output"])
+    return {"samples_ms": [r["samples_ms"][0] for r in runs], "cached_tokens": [r["cached_tokens"][0] for r in runs],
+            "output": out["output"], "output_cached_tokens": out["output_cached_tokens"],
+            "engine_start_s": runs[0]["engine_start_s"]}
+
+
+def lmcache_dir(args: argparse.Namespace) -> Path:
+    if args.lmcache_dir:
+        return Path(args.lmcache_dir).resolve()
+    if sys.prefix != sys.base_prefix:  # in a venv: a sibling folder, never its site-packages
+        return Path(sys.prefix).resolve().parent / ".venv-lmcache"
+    return Path.home() / ".cache" / "kvstrata" / "venv-lmcache"
+
+
+def ensure_lmcache(target: Path, timeout: float = 600) -> None:
+    """Install LMCache and its pure-Python extras into ``target`` once (``pip --target``, no deps)."""
+    if (target / ".kvstrata-complete").exists():
+        return
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log.info("installing LMCache into %s", target)
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+           "--target", str(tmp), *LMCACHE_PACKAGES]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"pip install of LMCache timed out after {timeout:.0f} s") from None
+    if p.returncode:
+        err = " | ".join(ln for ln in p.stderr.splitlines() if "is ignored" not in ln)[-500:]
+        raise BenchError(f"pip install of LMCache failed ({p.returncode}): {err}")
+    (tmp / ".kvstrata-complete").write_text(" ".join(LMCACHE_PACKAGES) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_lmcache(runner: Runner, steps: list[str], start_timeout: float = 180) -> dict:
+    target = lmcache_dir(runner.args)
+    ensure_lmcache(target)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))}
+    port, log_path = _free_port(), runner.work / "lmcache-server.log"
+    cmd = [sys.executable, "-c", LMCACHE_MAIN, "server", "--host", "localhost", "--port", str(port),
+           "--chunk-size", "256", "--l1-size-gb", "2", "--eviction-policy", "LRU",
+           "--supported-transfer-mode", "auto"]
+    with open(log_path, "w") as out:
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env={**runner.env, **env}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if server.poll() is not None:
+                raise BenchError(f"lmcache server exited ({server.returncode}): {_tail(log_path, 1)[-300:]}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline:
+                raise BenchError(f"lmcache server not listening after {start_timeout:.0f} s")
+            time.sleep(0.5)
+        return runner.engine("lmcache", lmcache_transfer_config(port), True, steps, env)
+    finally:
+        _kill_group(server)
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.engine != "vllm":
+        raise BenchError(f"engine {args.engine!r} is not supported")
+    wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if unknown := set(wanted) - set(CONFIGS):
+        raise BenchError(f"unknown configs: {sorted(unknown)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    prompt = make_prompt(args.model, args.prompt_tokens, seed=0)
+    warmup = make_prompt(args.model, args.prompt_tokens, seed=1)
+    work = Path(tempfile.mkdtemp(prefix="kvstrata-ttft-"))
+    runner, rounds = Runner(args, work, prompt, warmup), args.rounds
+    ours = os.environ.get("KVSTRATA_BENCH_OURS", "strata")
+
+    def ours_config(name: str) -> dict:
+        if ours == "example":  # stand-in until the connector exists: exercises the harness only
+            return example_transfer_config(work / f"{name}-store")
+        cfg_path = work / f"{name}.yaml"
+        cfg_path.write_text(f"l1:\n  size: 2GiB\nl2:\n  path: {work / (name + '-store')}\n")
+        return strata_transfer_config(cfg_path)
+
+    plans = {
+        "cold": lambda: runner.engine("cold", None, False, ["warmup"] + ["time"] * rounds + ["output"]),
+        "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + ["time"] * rounds + ["output"]),
+        "l1": lambda: runner.engine("l1", ours_config("l1"), True, hit_steps(rounds)),
+        "l2": lambda: run_l2(runner, ours_config("l2"), rounds),
+        "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer-store"), True, hit_steps(rounds)),
+        "lmcache": lambda: run_lmcache(runner, hit_steps(rounds)),
+    }
+    results, errors = {}, {}
+    try:
+        for name in wanted:
+            try:
+                results[name] = plans[name]()
+            except (BenchError, OSError, ValueError) as e:
+                errors[name] = str(e)
+                log.error("%s: %s", name, e)
+    finally:
+        if args.keep:
+            log.warning("work folder kept: %s", work)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def median(name: str) -> float | None:
+        return round(statistics.median(results[name]["samples_ms"]), 1) if name in results else None
+
+    summary: dict = {f"{n}_ms" if n == "cold" else f"{n}_hit_ms": median(n) for n in CONFIGS}
+    l1_cached = results.get("l1", {}).get("cached_tokens")
+    summary["hit_fraction"] = round(statistics.median(l1_cached) / len(prompt), 4) if l1_cached else None
+    outputs = {n: r["output"] for n, r in results.items() if r.get("output") is not None}
+    summary["outputs_identical"] = (len({tuple(o) for o in outputs.values()}) == 1) if len(outputs) > 1 else None
+    summary["lmcache_error"] = errors.get("lmcache")
+    for a, b in RATIOS:
+        x, y = median(a), median(b)
+        summary[f"{a}_over_{b}"] = round(x / y, 3) if x and y else None
+    summary["details"] = {
+        "prompt_tokens": len(prompt), "block_size": BLOCK_SIZE, "rounds": rounds,
+        "ours_connector": "ExampleConnector (KVSTRATA_BENCH_OURS=example)" if ours == "example" else "StrataConnector",
+        "env": engine_env(args), "samples_ms": {n: r["samples_ms"] for n, r in results.items()},
+        "cached_tokens": {n: r["cached_tokens"] for n, r in results.items()},
+        "output_cached_tokens": {n: r["output_cached_tokens"] for n, r in results.items()},
+        "engine_start_s": {n: r["engine_start_s"] for n, r in results.items()},
+        "outputs": outputs, "outputs_compared": sorted(outputs), "errors": errors}
+    return summary
+
+
+def print_table(summary: dict) -> None:
+    d = summary["details"]
+    print(f"TTFT, {d['prompt_tokens']}-token prompt, median of {d['rounds']} ({d['ours_connector']} for l1/l2)")
+    print(f"{'config':<9}{'median ms':>11}{'cached':>8}  samples ms")
+    for n in CONFIGS:
+        key = "cold_ms" if n == "cold" else f"{n}_hit_ms"
+        if n in d["samples_ms"]:
+            cached = statistics.median(d["cached_tokens"][n])
+            print(f"{n:<9}{summary[key]:>11.1f}{cached:>8.0f}  {d['samples_ms'][n]}")
+        else:
+            print(f"{n:<9}{'-':>11}{'-':>8}  {d['errors'].get(n, 'not run')}")
+    ratios = ", ".join(f"{a}/{b} {summary[f'{a}_over_{b}']}" for a, b in RATIOS)
+    print(f"hit_fraction {summary['hit_fraction']}, outputs_identical {summary['outputs_identical']}")
+    print(f"ratios: {ratios}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstrata bench ttft", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    summary = run(args)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_table(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

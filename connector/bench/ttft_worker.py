@@ -1,0 +1,64 @@
+"""One engine process of ``kvstrata bench ttft``: run a list of steps, print one result line.
+
+Usage: ``python -m kvstrata.bench.ttft_worker SPEC.json``. The spec names the model, the prompt and
+warm-up token ids, the engine options and the steps, each one of:
+``warmup`` (untimed request on the warm-up prompt), ``store`` (untimed request on the prompt, then a
+short pause so asynchronous saves can land), ``reset`` (``llm.reset_prefix_cache()``), ``time``
+(timed ``max_tokens=1`` request on the prompt) and ``output`` (greedy ``max_tokens=N`` request whose
+token ids are kept). The last stdout line is ``RESULT_TAG`` followed by a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+RESULT_TAG = "KVSTRATA_TTFT_RESULT "
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec["block_size"],
+              enable_prefix_caching=spec["prefix_caching"], seed=0,
+              kv_transfer_config=spec["kv_transfer_config"])
+    result = {"engine_start_s": round(time.perf_counter() - t0, 2), "samples_ms": [],
+              "cached_tokens": [], "output": None, "output_cached_tokens": None, "other_ms": {}}
+    prompt = {"prompt_token_ids": spec["prompt"]}
+    warm = {"prompt_token_ids": spec["warmup"]}
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"], ignore_eos=True)
+
+    def generate(p, sp):
+        t = time.perf_counter()
+        out = llm.generate([p], sp, use_tqdm=False)[0]
+        return (time.perf_counter() - t) * 1e3, out
+
+    for step in spec["steps"]:
+        if step == "warmup":
+            result["other_ms"]["warmup"], _ = generate(warm, one)
+        elif step == "store":
+            result["other_ms"]["store"], _ = generate(prompt, one)
+            time.sleep(spec["settle_s"])
+        elif step == "reset":
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("reset_prefix_cache() returned False")
+        elif step == "time":
+            ms, out = generate(prompt, one)
+            result["samples_ms"].append(round(ms, 2))
+            result["cached_tokens"].append(out.num_cached_tokens)
+        elif step == "output":
+            _, out = generate(prompt, many)
+            result["output"] = list(out.outputs[0].token_ids)
+            result["output_cached_tokens"] = out.num_cached_tokens
+        else:
+            raise ValueError(f"unknown step {step!r}")
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
