@@ -77,11 +77,16 @@ def _slice(chain: BlockChain, start: int, stop: int | None = None) -> BlockChain
 
 
 class BlockStore:
-    def __init__(self, config: StrataConfig | None = None) -> None:
+    def __init__(self, config: StrataConfig | None = None, *, l1_slot_bytes: int = 0,
+                 l1_shared_path: str | None = None) -> None:
+        """``l1_shared_path`` puts the L1 arena in a file other local processes can map (the
+        engine's workers copy KV in and out of it); ``l1_slot_bytes`` fixes the slot size now
+        instead of at the first save."""
         self.config = config = config or StrataConfig()
         self.counters = Counters()
         self.index = BlockIndex(key_bits=config.testing.key_bits, lease_s=config.lease_seconds)
-        self.l1 = MemoryTier(self.counters, config.l1.size, pin=config.l1.pin_memory)
+        self.l1 = MemoryTier(self.counters, config.l1.size, l1_slot_bytes, config.l1.pin_memory,
+                             l1_shared_path)
         self.backing: list[BlockTier] = []
         self.l2: DiskTier | None = None
         self.epochs: EpochStore = MemoryEpochs()

@@ -11,6 +11,7 @@ its intra-op thread pool, which collapses when the engine's own threads load eve
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Iterator, Sequence
 
@@ -24,6 +25,33 @@ from .base import BlockTier
 log = logging.getLogger(__name__)
 
 
+def create_shared_arena(path: str, num_slots: int, slot_bytes: int) -> torch.Tensor:
+    """A file-backed arena other processes on this host can map (the engine's worker does).
+
+    Fails with a clear message when the filesystem (``/dev/shm`` by default) cannot hold it:
+    touching pages beyond a full tmpfs would kill the process with SIGBUS instead.
+    """
+    size = num_slots * slot_bytes
+    folder = os.path.dirname(path) or "."
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise ValueError(f"l1.size: the shared L1 arena needs {size} bytes but {folder} has only "
+                         f"{free} free; lower l1.size or enlarge {folder}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return attach_shared_arena(path, num_slots, slot_bytes)
+
+
+def attach_shared_arena(path: str, num_slots: int, slot_bytes: int) -> torch.Tensor:
+    """Map an arena created by ``create_shared_arena`` (possibly in another process)."""
+    flat = torch.from_file(path, shared=True, size=num_slots * slot_bytes, dtype=torch.uint8)
+    return flat.view(num_slots, slot_bytes)
+
+
 def _is_rows(t: Sequence[torch.Tensor] | torch.Tensor, size: int, slot_bytes: int) -> bool:
     """A contiguous CPU ``[n, slot_bytes]`` uint8 tensor: one batched index op can move it."""
     return (isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == torch.uint8
@@ -35,10 +63,12 @@ class MemoryTier(BlockTier):
     bit = 1
     verifies = False
 
-    def __init__(self, counters: Counters, capacity: int, slot_bytes: int = 0, pin: bool = True) -> None:
+    def __init__(self, counters: Counters, capacity: int, slot_bytes: int = 0, pin: bool = True,
+                 shared_path: str | None = None) -> None:
         super().__init__(counters)
         self._capacity = capacity
         self._pin = pin and torch.cuda.is_available()
+        self.shared_path = shared_path
         self._lock = threading.Lock()
         self._slots: dict[bytes, tuple[int, EntryMeta]] = {}
         self._free: list[int] = []
@@ -49,7 +79,10 @@ class MemoryTier(BlockTier):
 
     def _allocate(self, slot_bytes: int) -> None:
         num_slots = self._capacity // slot_bytes
-        self.data = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=self._pin)
+        if self.shared_path:
+            self.data = create_shared_arena(self.shared_path, num_slots, slot_bytes)
+        else:
+            self.data = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=self._pin)
         self.slot_bytes = slot_bytes
         self._free = list(range(num_slots - 1, -1, -1))
         log.info("kvstrata L1: %d slots of %d bytes (pinned=%s)", num_slots, slot_bytes, self._pin)
@@ -160,6 +193,13 @@ class MemoryTier(BlockTier):
         with self._lock:
             metas = [meta for _, meta in self._slots.values()]
         yield from metas
+
+    def close(self) -> None:
+        if self.shared_path:
+            try:
+                os.unlink(self.shared_path)  # mappings stay valid until their processes drop them
+            except FileNotFoundError:
+                pass
 
     @property
     def used_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """Build a small random-weight model folder for tests and benchmarks, with no network.
 
-Usage: python tests/models/build_model.py OUT_DIR [--preset tiny|small]
+Usage: python examples/make_tiny_model.py OUT_DIR [--preset tiny|small]
 
 Trains a byte-level BPE tokenizer on deterministically generated text, wraps it in a
 PreTrainedTokenizerFast with a chat template, builds a model with random bf16 weights

@@ -1,0 +1,558 @@
+"""vLLM v1 KV connector over the kvstrata store (``StrataConnector``).
+
+vLLM runs one connector instance per role, usually in different processes: the scheduler's in
+EngineCore, one per worker beside the KV cache. The split follows vLLM's own offloading design:
+
+- Scheduler side owns the ``BlockStore`` (index, L1 bookkeeping, disk tier, epochs). Its L1 arena
+  is a file in ``/dev/shm`` so that workers on this host can map it. Lookups answer from the index
+  only; blocks found only on disk are staged into L1 in the background first (the scheduler is told
+  "ask again later" meanwhile), so that every promised block is a memory copy away and pinned.
+- Worker side maps the arena and copies whole blocks between the arena and the KV cache with one
+  batched index operation per layer (``kvstrata.blockcopy``). A slot holds one vLLM block for all
+  layers of all tensor-parallel ranks (rank r writes its own region).
+
+Saves happen in the step that computes the blocks: the scheduler reserves fresh slots for every
+block that step completes and is not stored yet (and for the prompt's partial tail in the step that
+finishes the prompt), the worker copies them right after the forward pass, and the scheduler
+commits them to the index only when the worker reports the copy done. Nothing waits for a request
+to finish, so no block is ever held back from the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstrata.blockcopy import BlockLayout
+from kvstrata.config import ConfigError, StrataConfig, load_config
+from kvstrata.keys import BlockChain, Namespace, block_key, extra_digest, model_fingerprint, root_key
+from kvstrata.store import BlockStore, Hit, Reservation
+from kvstrata.tiers.memory import attach_shared_arena
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+CONNECTOR_NAME = "StrataConnector"
+SHM_DIR = os.environ.get("KVSTRATA_SHM_DIR", "/dev/shm")
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: makes ``"kv_connector": "StrataConnector"`` work."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+
+
+# ---------------------------------------------------------------------------- plan objects
+@dataclass
+class ArenaSpec:
+    path: str
+    num_slots: int
+    slot_bytes: int
+    rank_bytes: int  # one tensor-parallel rank's region of a slot
+
+
+@dataclass
+class CopyOp:
+    op_id: int
+    req_id: str
+    slots: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class StrataMetadata(KVConnectorMetadata):
+    arena: ArenaSpec
+    loads: list[CopyOp] = field(default_factory=list)
+    saves: list[CopyOp] = field(default_factory=list)
+
+
+@dataclass
+class StrataWorkerMetadata(KVConnectorWorkerMetadata):
+    """Save ops a worker finished copying (or failed), reported back to the scheduler."""
+
+    done: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        assert isinstance(other, StrataWorkerMetadata)
+        return StrataWorkerMetadata(self.done | other.done, self.failed | other.failed)
+
+
+class StrataStats(KVConnectorStats):
+    """Counter deltas since the last report, shown in vLLM's own stats logs."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for k, v in other.data.items():
+            merged[k] = merged.get(k, 0) + v
+        return StrataStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+# ---------------------------------------------------------------------------- configuration
+def _load(vllm_config: "VllmConfig") -> StrataConfig:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    path = extra.pop("config_file", None)
+    try:
+        return load_config(path, extra)
+    except ConfigError as e:
+        log.error("%s", e)  # one clear line in the engine log before vLLM's own report
+        raise
+
+
+def _kv_dtype(vllm_config: "VllmConfig") -> str:
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    return str(vllm_config.model_config.dtype if cache_dtype in (None, "auto") else cache_dtype)
+
+
+def _device_layout(vllm_config: "VllmConfig") -> str:
+    """Where K/V packing can differ: device kind and, on CPU, the attention kernel's ISA."""
+    from vllm.platforms import current_platform
+
+    kind = current_platform.device_type
+    if kind == "cpu":
+        amx = torch.cpu._is_amx_tile_supported()
+        avx512 = torch.cpu._is_avx512_supported()
+        return f"cpu:{current_platform.get_cpu_architecture().name}:amx={int(amx)}:avx512={int(avx512)}"
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return f"{kind}:{backend or 'auto'}"
+
+
+def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: StrataConfig) -> Namespace:
+    model = vllm_config.model_config
+    version = cfg.namespace.model_version
+    if version is None:
+        version = model_fingerprint(model.model) if os.path.isdir(model.model) else str(model.revision or "main")
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    layout = (f"{_device_layout(vllm_config)};{layers}x{type(spec).__name__}"
+              f"(heads={getattr(spec, 'num_kv_heads', '?')},head={getattr(spec, 'head_size', '?')},"
+              f"page={spec.page_size_bytes})")
+    par = vllm_config.parallel_config
+    return Namespace(
+        engine="vllm",
+        model=model.model,
+        model_version=version,
+        kv_dtype=_kv_dtype(vllm_config),
+        layout=layout,
+        block_size=vllm_config.cache_config.block_size,
+        rank=0,  # a slot holds every rank's shard: the namespace covers the whole parallel group
+        world_size=par.tensor_parallel_size,
+        tenant=cfg.namespace.tenant,
+        extra={"pp": str(par.pipeline_parallel_size)},
+    )
+
+
+def _request_extra(request: "Request") -> bytes:
+    """Per-request identity that is not in the tokens: cache salt, LoRA, multimodal inputs."""
+    keys: list[object] = []
+    if getattr(request, "cache_salt", None):
+        keys.append(f"salt:{request.cache_salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        keys.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")
+    for feature in getattr(request, "mm_features", None) or ():
+        keys.append(f"mm:{getattr(feature, 'identifier', feature)}")
+    return extra_digest(keys)
+
+
+# ---------------------------------------------------------------------------- scheduler side
+@dataclass
+class _Pending:
+    """A live request, from its first lookup to ``request_finished``."""
+
+    request: "Request"
+    tokens: np.ndarray
+    extra: bytes
+    saved_full: int = 0  # full blocks already planned for saving
+    tail_saved: bool = False
+    local: int = 0  # block-aligned tokens the engine already had
+    hit: Hit | None = None
+    slots: list[int] = field(default_factory=list)
+    lease: int | None = None
+    staging: bool = False
+    staged: bool = False
+    from_disk: int = 0  # blocks of the hit that had to be staged from a backing tier
+
+
+class _SchedulerSide:
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+        cfg = _load(vllm_config)
+        par = vllm_config.parallel_config
+        if par.pipeline_parallel_size > 1:
+            raise ConfigError("kvstrata: pipeline parallelism is not supported yet (pipeline_parallel_size > 1)")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError("kvstrata: models with several KV cache groups are not supported yet")
+        self.ns = namespace_for(vllm_config, kv_cache_config, cfg)
+        self.block_size = vllm_config.cache_config.block_size
+        group = kv_cache_config.kv_cache_groups[0]
+        rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        slot_bytes = rank_bytes * par.tensor_parallel_size
+        path = os.path.join(SHM_DIR, f"kvstrata-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
+        self.arena = ArenaSpec(path, self.store.l1.num_slots, slot_bytes, rank_bytes)
+        self._lock = threading.Lock()  # staging jobs finish on the store's background thread
+        self._reqs: dict[str, _Pending] = {}
+        self._loads: list[CopyOp] = []
+        self._saves: list[CopyOp] = []
+        self._saving: dict[int, Reservation] = {}  # save op id -> slots the workers are filling
+        self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
+        self._next_op = 1
+        self._last_counters: dict[str, int] = {}
+        log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s", self.ns.id,
+                 self.ns.model, self.arena.num_slots, slot_bytes, path)
+
+    # -- lookup
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _Pending(
+                request, np.asarray(request.prompt_token_ids, dtype=np.uint32), _request_extra(request))
+        with self._lock:
+            if st.staging:
+                return None, False  # disk blocks are being staged into L1: ask again later
+        self._unpin(st)
+        st.local = num_computed_tokens
+        hit = self.store.lookup(self.ns, st.tokens, st.extra)
+        usable = min(hit.num_tokens, len(st.tokens) - 1)  # the last token is always computed
+        if usable <= num_computed_tokens:
+            return 0, False
+        n_blocks = -(-usable // self.block_size)
+        hit = hit._replace(chain=BlockChain(*(part[:n_blocks] for part in hit.chain)),
+                           tiers=hit.tiers[:n_blocks])
+        slots = self.store.l1_slots(hit)
+        first = num_computed_tokens // self.block_size
+        if any(s is None for s in slots[first:]) and not st.staged:
+            self._stage(st, hit, first)
+            return None, False
+        resident = first
+        while resident < n_blocks and slots[resident] is not None:
+            resident += 1
+        usable = min(usable, resident * self.block_size, sum(hit.chain.lengths[:resident]))
+        if usable <= num_computed_tokens:
+            return 0, False
+        rows = self.store.index.rows_of(hit.chain.keys[first:resident])
+        if (rows < 0).any():
+            return 0, False
+        st.hit, st.slots, st.lease = hit, slots[:resident], self.store.index.pin(rows)
+        return usable - num_computed_tokens, False
+
+    def _stage(self, st: _Pending, hit: Hit, first: int) -> None:
+        missing = sum(1 for s in self.store.l1_slots(hit)[first:] if s is None)
+
+        def job() -> None:
+            self.store.stage(hit)
+            with self._lock:
+                st.staging, st.staged, st.from_disk = False, True, missing
+
+        with self._lock:
+            st.staging = True
+        if not self.store.submit(missing, job):
+            with self._lock:
+                st.staging, st.staged = False, True  # queue full: serve what L1 has
+
+    def _unpin(self, st: _Pending) -> None:
+        if st.lease is not None:
+            self.store.index.unpin(st.lease)
+            st.lease = None
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        st = self._reqs.get(request.request_id)
+        if not num_external_tokens or st is None:
+            return {}
+        disk = min(num_external_tokens, st.from_disk * self.block_size)
+        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+        return {k: v for k, v in out.items() if v}
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.hit is None:
+            return
+        if num_external_tokens == 0:
+            self._unpin(st)
+            return
+        block_ids = blocks.get_block_ids()[0]
+        first = st.local // self.block_size
+        last = -(-(st.local + num_external_tokens) // self.block_size)
+        self._loads.append(CopyOp(0, request.request_id, st.slots[first:last], list(block_ids[first:last])))
+        self.store.counters.inc("vllm_loaded_tokens", num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                self._plan_saves(req_id, st, n)
+        meta = StrataMetadata(self.arena, self._loads, self._saves)
+        self._loads, self._saves = [], []
+        return meta
+
+    # -- saves
+    def _plan_saves(self, req_id: str, st: _Pending, scheduled: int) -> None:
+        """Save the blocks this step completes, copied right after its forward pass.
+
+        Called before the scheduler advances ``num_computed_tokens``. Tokens whose ids are not
+        known yet (speculative drafts) are never saved. The prompt's partial tail is saved in the
+        step that finishes the prompt, so a repeated prompt recomputes only its last token.
+        """
+        req = st.request
+        before = req.num_computed_tokens
+        after = min(before + scheduled, req.num_tokens)
+        bs = self.block_size
+        full = after // bs
+        prompt_len = req.num_prompt_tokens
+        tail = bool(prompt_len % bs) and before < prompt_len <= after and not st.tail_saved
+        if full <= st.saved_full and not tail:
+            return
+        tokens = np.asarray(req.all_token_ids[: max(full * bs, prompt_len if tail else 0)], dtype=np.uint32)
+        epoch, chain = self.store.chain(self.ns, tokens[: full * bs], st.extra, partial=False)
+        where = list(range(st.saved_full, full))  # engine block index of each planned block
+        todo = BlockChain(*(part[st.saved_full : full] for part in chain))
+        if tail:
+            n_prompt_full = prompt_len // bs
+            parent = chain.keys[n_prompt_full - 1] if n_prompt_full else root_key(self.ns.seed, epoch)
+            key, fp = block_key(parent, tokens[n_prompt_full * bs : prompt_len], st.extra)
+            todo = BlockChain(todo.keys + [key], todo.parents + [parent], todo.fps + [fp],
+                              todo.lengths + [prompt_len - n_prompt_full * bs])
+            where.append(n_prompt_full)
+        st.saved_full, st.tail_saved = max(st.saved_full, full), st.tail_saved or tail
+        res = self.store.reserve(self.ns, epoch, todo, self.arena.slot_bytes)
+        if not res.slots:
+            return
+        assert self.kv_cache_manager is not None
+        block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+        position = {key: i for i, key in enumerate(todo.keys)}
+        ids = [block_ids[where[position[m.key]]] for m in res.metas]
+        op = CopyOp(self._next_op, req_id, res.slots, ids)
+        self._next_op += 1
+        self._saves.append(op)
+        self._saving[op.op_id] = res
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Everything computed was saved in the step that computed it, except the partial block at
+        the end of the output: nothing is left to copy, so blocks are freed at once."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            self._unpin(st)
+        return False, None
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, StrataWorkerMetadata):
+            return
+        for op_id in meta.failed:
+            res = self._saving.pop(op_id, None)
+            if res is not None:
+                self.store.abort(res)
+        for op_id in meta.done:
+            res = self._saving.pop(op_id, None)
+            if res is not None:
+                self.store.commit(res)  # visible to lookups from now on
+
+    # -- control and stats
+    def reset_cache(self) -> bool:
+        epoch = self.store.invalidate(self.ns.seed)
+        log.info("kvstrata: prefix cache reset, namespace %s now at epoch %d", self.ns.id, epoch)
+        return True
+
+    def get_kv_connector_stats(self) -> StrataStats | None:
+        now = self.store.counters.snapshot()
+        delta = {k: v - self._last_counters.get(k, 0) for k, v in now.items() if v != self._last_counters.get(k, 0)}
+        self._last_counters = now
+        return StrataStats(data=delta) if delta else None
+
+    def shutdown(self) -> None:
+        self.store.close()
+
+
+# ---------------------------------------------------------------------------- worker side
+class _WorkerSide:
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+        self._num_blocks = kv_cache_config.num_blocks
+        self._layout: BlockLayout | None = None
+        self._arena: torch.Tensor | None = None
+        self._arena_path = ""
+        self._done: set[int] = set()
+        self._failed: set[int] = set()
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._rank = get_tensor_model_parallel_rank()
+        self._caches = kv_caches
+        log.info("kvstrata worker: %d KV layers, first %s %s", len(kv_caches),
+                 next(iter(kv_caches)), tuple(next(iter(kv_caches.values())).shape))
+
+    def _attach(self, spec: ArenaSpec) -> torch.Tensor:
+        if self._arena is None or self._arena_path != spec.path:
+            self._layout = BlockLayout(self._caches, self._num_blocks, base_offset=self._rank * spec.rank_bytes)
+            if self._layout.nbytes != spec.rank_bytes:
+                raise RuntimeError(f"kvstrata: worker blocks are {self._layout.nbytes} bytes per rank, "
+                                   f"the scheduler expects {spec.rank_bytes}")
+            self._arena = attach_shared_arena(spec.path, spec.num_slots, spec.slot_bytes)
+            if self._layout.device.type == "cuda":
+                torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
+            self._arena_path = spec.path
+        return self._arena
+
+    def start_load_kv(self, meta: StrataMetadata) -> None:
+        if not meta.loads:
+            return
+        arena = self._attach(meta.arena)
+        assert self._layout is not None
+        for op in meta.loads:
+            try:
+                self._layout.load(op.slots, arena, op.block_ids)
+            except Exception:  # an I/O edge: report the blocks so vLLM recomputes them
+                log.exception("kvstrata: load for %s failed; vLLM will recompute it", op.req_id)
+                self._load_errors.update(op.block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._layout is not None:
+            self._layout.wait_layer(layer_name)
+
+    def wait_for_save(self, meta: StrataMetadata) -> None:
+        if not meta.saves:
+            return
+        arena = self._attach(meta.arena)
+        assert self._layout is not None
+        for op in meta.saves:
+            try:
+                self._layout.save(op.block_ids, arena, op.slots)
+                self._done.add(op.op_id)
+            except Exception:  # an I/O edge: the blocks are just not stored
+                log.exception("kvstrata: save for %s failed; it will not be stored", op.req_id)
+                self._failed.add(op.op_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> StrataWorkerMetadata | None:
+        if not self._done and not self._failed:
+            return None
+        meta = StrataWorkerMetadata(self._done, self._failed)
+        self._done, self._failed = set(), set()
+        return meta
+
+
+# ---------------------------------------------------------------------------- the connector
+class StrataConnector(KVConnectorBase_V1):
+    """kvstrata as a vLLM v1 KV connector. See the module docstring."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._sched = _SchedulerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = _WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save lost to preemption is only a future miss
+
+    # scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        assert self._sched is not None
+        return self._sched.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset_cache() if self._sched is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._sched.get_kv_connector_stats() if self._sched is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return StrataStats(data=dict(data or {}))
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StrataMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # saves copy whole blocks after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StrataMetadata)
+        self._worker.wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.build_connector_worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._sched is not None:
+            self._sched.shutdown()

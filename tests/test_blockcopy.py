@@ -1,0 +1,70 @@
+"""Block copies between per-layer KV tensors and arena slots, for the layouts engines use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.blockcopy import BlockLayout, block_dim
+
+NUM_BLOCKS = 12
+
+LAYOUTS = {
+    # vLLM CPU: [num_blocks, kv_heads, block_size, 2 * head]
+    "vllm_cpu": (NUM_BLOCKS, 2, 16, 128),
+    # FlashAttention: [2, num_blocks, block_size, kv_heads, head]
+    "flash_attn": (2, NUM_BLOCKS, 16, 2, 64),
+    # MLA: [num_blocks, block_size, latent]
+    "mla": (NUM_BLOCKS, 16, 96),
+}
+
+
+def make_caches(shape, device="cpu", layers=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
+            for i in range(layers)}
+
+
+def block(kv: torch.Tensor, b: int) -> torch.Tensor:
+    return kv.movedim(block_dim(tuple(kv.shape), NUM_BLOCKS), 0)[b]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_save_then_load_moves_exactly_the_chosen_blocks(layout, device="cpu"):
+    src = make_caches(LAYOUTS[layout], device, seed=1)
+    dst = make_caches(LAYOUTS[layout], device, seed=2)
+    before = {k: v.clone() for k, v in dst.items()}
+    save, load = BlockLayout(src, NUM_BLOCKS), BlockLayout(dst, NUM_BLOCKS)
+    assert save.nbytes == load.nbytes and save.signature() == load.signature()
+    arena = torch.zeros((8, save.nbytes), dtype=torch.uint8)
+    save.save([3, 7, 0], arena, [5, 1, 2])
+    load.load([5, 1, 2], arena, [9, 4, 6])
+    load.wait_all()
+    for name in src:
+        for s, d in ((3, 9), (7, 4), (0, 6)):
+            assert torch.equal(block(src[name], s).cpu(), block(dst[name], d).cpu())
+        untouched = [b for b in range(NUM_BLOCKS) if b not in (9, 4, 6)]
+        for b in untouched:
+            assert torch.equal(block(dst[name], b), block(before[name], b))
+    assert not arena[[0, 3, 4, 6, 7]].any()  # other slots untouched
+
+
+def test_arena_slot_is_layers_concatenated_in_order():
+    src = make_caches(LAYOUTS["vllm_cpu"], layers=2)
+    layout = BlockLayout(src, NUM_BLOCKS)
+    arena = torch.zeros((2, layout.nbytes), dtype=torch.uint8)
+    layout.save([4], arena, [1])
+    names = list(src)
+    expected = torch.cat([src[n][4].reshape(-1).view(torch.uint8) for n in names])
+    assert torch.equal(arena[1], expected)
+
+
+def test_block_dim_errors_name_the_shape():
+    with pytest.raises(ValueError, match=r"num_blocks=5.*\(2, 3\)"):
+        block_dim((2, 3), 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_save_then_load_on_cuda(layout):
+    test_save_then_load_moves_exactly_the_chosen_blocks(layout, device="cuda")
