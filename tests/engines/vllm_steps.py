@@ -1,0 +1,52 @@
+"""Test scaffolding: runs one vLLM engine (CPU) through a list of steps and prints JSON results.
+
+Usage: python vllm_steps.py SPEC.json. SPEC: {"model": DIR, "config": YAML or null (no connector),
+"mp": bool (separate EngineCore/worker processes), "block_size": int, "steps": [...]}. Steps:
+{"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} -> {"tokens", "cached"};
+{"op": "reset", "connector": bool} -> {"ok"}; {"op": "counters"} -> the connector's counters
+(in-process engines only). Greedy decoding throughout.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    if not spec.get("mp"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    ktc = None
+    if spec.get("config"):
+        ktc = {"kv_connector": "StrataConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"config_file": spec["config"]},
+               "kv_load_failure_policy": "recompute"}
+        if spec.get("module_path", True):
+            ktc["kv_connector_module_path"] = "kvstrata.adapters.vllm"
+    llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
+              max_model_len=4096, kv_transfer_config=ktc, enable_prefix_caching=True, seed=0)
+    results = []
+    for step in spec["steps"]:
+        if step["op"] == "generate":
+            prompt = {"prompt_token_ids": step["prompt"]}
+            if step.get("salt"):
+                prompt["cache_salt"] = step["salt"]
+            params = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8))
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            results.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens})
+        elif step["op"] == "reset":
+            results.append({"ok": llm.reset_prefix_cache(reset_connector=step.get("connector", False))})
+        elif step["op"] == "counters":
+            sched = llm.llm_engine.engine_core.engine_core.scheduler
+            results.append(sched.connector._sched.store.counters.snapshot())
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
