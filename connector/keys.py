@@ -153,6 +153,24 @@ def chain_keys(
     return BlockChain(keys, [root, *keys[:-1]], fps, lengths)
 
 
+def chain_digests(root: bytes, digests: Sequence[bytes], ntok: int) -> BlockChain:
+    """Chain keys over blocks an engine already identifies by digests (e.g. SGLang's page hashes).
+
+    ``key_i = xxh3_128(key_{i-1} || digest_i)``: the index then checks the parent chain exactly as
+    for token blocks, and the fingerprint covers the whole prefix of digests. ``digests`` must
+    start at the first block of the sequence (the engine's prefix keys included).
+    """
+    keys: list[bytes] = []
+    fps: list[int] = []
+    prev = root
+    for d in digests:
+        data = prev + d
+        prev = _h128(data)
+        keys.append(prev)
+        fps.append(_h64(data, FP_SEED))
+    return BlockChain(keys, [root, *keys[:-1]], fps, [ntok] * len(keys))
+
+
 def block_key(parent: bytes, tokens: np.ndarray, extra: bytes = NO_EXTRA) -> tuple[bytes, int]:
     """Key and fingerprint of one block (full or partial) after ``parent``."""
     data = parent + as_tokens(tokens).tobytes() + extra

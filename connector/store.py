@@ -136,6 +136,20 @@ class BlockStore:
         self.counters.inc("lookup_hit_blocks", len(rows))
         return Hit(ns, epoch, hit, tiers, lease)
 
+    def lookup_chain(self, ns: Namespace, epoch: int, chain: BlockChain, *, pin: bool = False) -> Hit:
+        """Like ``lookup`` for a chain built by the caller (``keys.chain_digests``): the longest
+        valid stored prefix of ``chain``, from the index and tier headers only."""
+        n = self._match(ns.seed, epoch, chain, 0)
+        hit = _slice(chain, 0, n)
+        rows = self.index.rows_of(hit.keys)
+        lease = self.index.pin(rows) if pin and len(rows) else None
+        self.counters.inc("lookups")
+        self.counters.inc("lookup_hit_blocks", n)
+        return Hit(ns, epoch, hit, self.index.tiers_of(rows).tolist(), lease)
+
+    def current_epoch(self, ns: Namespace) -> int:
+        return self.epochs.get(ns.seed)
+
     def _match(self, seed: bytes, epoch: int, chain: BlockChain, start: int) -> int:
         """Leading valid run from ``start``; blocks other processes stored are adopted by header."""
         n = start

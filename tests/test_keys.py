@@ -93,3 +93,15 @@ def test_model_fingerprint_changes_with_files(tmp_path):
     assert first == model_fingerprint(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
     assert model_fingerprint(tmp_path) != first
+
+
+def test_chain_digests_chains_external_page_keys():
+    from kvstrata.keys import chain_digests
+
+    root = root_key(NS.seed, 0)
+    digests = [bytes([i]) * 32 for i in range(4)]
+    chain = chain_digests(root, digests, 16)
+    assert chain.parents == [root, *chain.keys[:-1]]
+    assert chain_digests(root, digests[:2], 16).keys == chain.keys[:2]
+    other = chain_digests(root, [digests[0], b"x" * 32, *digests[2:]], 16)
+    assert other.keys[0] == chain.keys[0] and not set(other.keys[1:]) & set(chain.keys)
