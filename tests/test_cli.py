@@ -38,8 +38,8 @@ def fill(path: Path, prompts: int = 3) -> None:
             store.put(NS, epoch, chain, torch.full((len(chain.keys), 1024), p, dtype=torch.uint8))
 
 
-def test_demo_serves_only_correct_blocks_and_hits_across_processes(tmp_path):
-    res = kvstrata("demo", "--config", str(config_file(tmp_path)), "--conversations", "6")
+def test_replay_serves_only_correct_blocks_and_hits_across_processes(tmp_path):
+    res = kvstrata("replay", "--config", str(config_file(tmp_path)), "--conversations", "6")
     assert "every served block matched a recomputed one" in res.stdout
     row_b = next(line for line in res.stdout.splitlines() if line.startswith("│ B"))
     cells = [c.strip() for c in row_b.strip("│ ").split("│")]

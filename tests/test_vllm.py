@@ -154,3 +154,16 @@ def test_bad_connector_config_fails_at_start_with_kvstrata_message(model, tmp_pa
 def test_connector_name_alone_works_through_the_plugin_entry_point(model, baseline, tmp_path):
     out = run(model, tmp_path, config(tmp_path), [gen(LONG), {"op": "reset"}, gen(LONG)], module_path=False)
     assert out[2]["cached"] == len(LONG) - 1 and out[2]["tokens"] == baseline["long"]
+
+
+def test_demo_serves_the_prompt_from_disk_after_a_restart(model, tmp_path):
+    """Scenario: the README's main job, on the real OpenAI server, end to end."""
+    res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "demo", "--model", model, "--config",
+                          str(config(tmp_path)), "--prompt-tokens", "1000"],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "greedy outputs identical: True" in " ".join(res.stdout.split())
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in res.stdout.splitlines() if line.startswith("│")}
+    assert rows["after restart: disk"][3] == "999"  # disk (L2) column: all but the last token
+    assert rows["device cache reset: CPU"][2] == "999"  # CPU (L1) column

@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> dict:
         "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer-store"), True, hit_steps(rounds)),
         "lmcache": lambda: run_lmcache(runner, hit_steps(rounds)),
     }
-    results, errors = {}, {}
+    results, errors, load = {}, {}, [os.getloadavg()[0]]
     try:
         for name in wanted:
             try:
@@ -268,6 +268,7 @@ def run(args: argparse.Namespace) -> dict:
                 errors[name] = str(e)
                 log.error("%s: %s", name, e)
     finally:
+        load.append(os.getloadavg()[0])
         if args.keep:
             log.warning("work folder kept: %s", work)
         else:
@@ -292,7 +293,8 @@ def run(args: argparse.Namespace) -> dict:
         "cached_tokens": {n: r["cached_tokens"] for n, r in results.items()},
         "output_cached_tokens": {n: r["output_cached_tokens"] for n, r in results.items()},
         "engine_start_s": {n: r["engine_start_s"] for n, r in results.items()},
-        "outputs": outputs, "outputs_compared": sorted(outputs), "errors": errors}
+        "outputs": outputs, "outputs_compared": sorted(outputs), "errors": errors,
+        "loadavg_1min_start_end": load}
     return summary
 
 

@@ -1,0 +1,166 @@
+"""Run an OpenAI-compatible engine server as a subprocess and talk to it over loopback HTTP.
+
+Used by the demo and benchmarks. The server is a separate process started from the command line a
+user would type, so nothing here imports an engine. Only the standard library's HTTP client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, NamedTuple
+
+log = logging.getLogger(__name__)
+
+CPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def vllm_command(model: str, port: int, kv_transfer_config: dict[str, Any] | None,
+                 block_size: int = 128, extra: list[str] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--block-size", str(block_size),
+           "--enforce-eager", "--enable-prompt-tokens-details"]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return cmd + (extra or [])
+
+
+def strata_transfer_config(config_file: str | None = None) -> dict[str, Any]:
+    """The launch flag value that enables kvstrata (the plugin registers the name)."""
+    cfg: dict[str, Any] = {"kv_connector": "StrataConnector", "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute"}
+    if config_file:
+        cfg["kv_connector_extra_config"] = {"config_file": str(config_file)}
+    return cfg
+
+
+class Server:
+    """``with Server(cmd, log_path) as s:`` starts, waits for /health, and stops on exit."""
+
+    def __init__(self, cmd: list[str], log_path: Path, port: int, env: dict[str, str] | None = None,
+                 timeout: float = 600) -> None:
+        self.cmd, self.log_path, self.port, self.timeout = cmd, log_path, port, timeout
+        self.env = {**os.environ, **({} if cuda_available() else CPU_ENV), **(env or {})}
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> "Server":
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log tail:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.__exit__()
+        raise TimeoutError(f"server not healthy after {self.timeout:.0f} s; log tail:\n{self.tail()}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> bytes:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read()
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+
+class Completion(NamedTuple):
+    ttft_ms: float
+    total_ms: float
+    tokens: list[int]
+    cached_tokens: int | None
+
+
+def complete(server: Server, model: str, prompt: list[int], max_tokens: int = 16,
+             cache_salt: str | None = None, timeout: float = 600) -> Completion:
+    """Greedy streamed completion of token ids; TTFT is the time to the first streamed token."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "return_token_ids": True,
+                            "stream_options": {"include_usage": True}}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    ttft = None
+    tokens: list[int] = []
+    cached = None
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices", []):
+                if ttft is None and (choice.get("text") or choice.get("token_ids")):
+                    ttft = (time.perf_counter() - start) * 1000
+                tokens += choice.get("token_ids") or []
+            usage = chunk.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens", cached)
+    total = (time.perf_counter() - start) * 1000
+    return Completion(ttft if ttft is not None else total, total, tokens, cached)
+
+
+def cached_by_source(metrics_text: str) -> dict[str, float]:
+    """``vllm:prompt_tokens_cached_by_source`` from a Prometheus scrape, summed per source."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:prompt_tokens_cached_by_source_total{"):
+            labels, value = line.rsplit(" ", 1)
+            source = labels.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(value)
+    return out
