@@ -100,6 +100,8 @@ class SaveConfig(_Model):
 class DebugConfig(_Model):
     key_bits: int = Field(128, ge=8, le=128, multiple_of=8)
     """Index key width. Test-only: below 128 it forces collisions that validation must reject."""
+    l2_write_delay_ms: float = Field(0.0, ge=0)
+    """Test-only: sleep this long in every disk write, to show that a slow disk never stalls."""
 
 
 class StrataConfig(_Model):

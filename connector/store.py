@@ -91,7 +91,8 @@ class BlockStore:
         self.l2: DiskTier | None = None
         self.epochs: EpochStore = MemoryEpochs()
         if config.l2.enabled:
-            self.l2 = DiskTier(self.counters, config.l2.path, config.l2.size, config.l2.fsync)
+            self.l2 = DiskTier(self.counters, config.l2.path, config.l2.size, config.l2.fsync,
+                               config.testing.l2_write_delay_ms / 1000)
             self.backing.append(self.l2)
             self.epochs = FileEpochs(config.l2.path / "epochs")
             self._recover(self.l2)

@@ -167,3 +167,15 @@ def test_demo_serves_the_prompt_from_disk_after_a_restart(model, tmp_path):
             for line in res.stdout.splitlines() if line.startswith("│")}
     assert rows["after restart: disk"][3] == "999"  # disk (L2) column: all but the last token
     assert rows["device cache reset: CPU"][2] == "999"  # CPU (L1) column
+
+
+def test_slow_disk_never_stalls_the_engine(model, baseline, tmp_path):
+    """Scenario: every disk write takes 1 s. The 16 blocks of the prompt would need 16 s of disk
+    time; the request must not wait for any of it (saves go to L1 in-step, disk in background)."""
+    cfg = config(tmp_path, "slow.yaml")
+    cfg.write_text(cfg.read_text() + "testing:\n  l2_write_delay_ms: 1000\n")
+    out = run(model, tmp_path, cfg, [gen(LONG, max_tokens=8), gen(LONG, max_tokens=8), {"op": "counters"}])
+    first, second, counters = out
+    assert first["tokens"] == baseline["long"] and second["tokens"] == baseline["long"]
+    assert first["ms"] < 8000 and second["ms"] < 8000, (first["ms"], second["ms"])
+    assert counters["saved_blocks"] == len(LONG) // BS + 1  # all in L1 at once, disk still busy

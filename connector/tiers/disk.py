@@ -27,6 +27,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -55,8 +56,10 @@ class DiskTier(BlockTier):
     name = "l2"
     bit = 2
 
-    def __init__(self, counters: Counters, root: Path, capacity: int, fsync: bool = False) -> None:
+    def __init__(self, counters: Counters, root: Path, capacity: int, fsync: bool = False,
+                 delay_s: float = 0.0) -> None:
         super().__init__(counters)
+        self._delay_s = delay_s  # test-only slow disk (testing.l2_write_delay_ms)
         self.root = Path(root)
         self._capacity = capacity
         self._fsync = fsync
@@ -102,6 +105,8 @@ class DiskTier(BlockTier):
         tmp = f"{self._prefix}{h[:2]}/.{h}.{os.getpid()}.{next(self._seq)}.tmp"
         header = pack_header(meta)
         view = memoryview(payload[: meta.size].numpy())
+        if self._delay_s:
+            time.sleep(self._delay_s)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:

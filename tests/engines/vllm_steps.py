@@ -2,7 +2,7 @@
 
 Usage: python vllm_steps.py SPEC.json. SPEC: {"model": DIR, "config": YAML or null (no connector),
 "mp": bool (separate EngineCore/worker processes), "block_size": int, "steps": [...]}. Steps:
-{"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} -> {"tokens", "cached"};
+{"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} -> {"tokens", "cached", "ms"};
 {"op": "reset", "connector": bool} -> {"ok"}; {"op": "counters"} -> the connector's counters
 (in-process engines only). Greedy decoding throughout.
 """
@@ -10,6 +10,7 @@ Usage: python vllm_steps.py SPEC.json. SPEC: {"model": DIR, "config": YAML or nu
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -38,8 +39,10 @@ def main() -> None:
             if step.get("salt"):
                 prompt["cache_salt"] = step["salt"]
             params = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8))
+            start = time.perf_counter()
             out = llm.generate([prompt], params, use_tqdm=False)[0]
-            results.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens})
+            results.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+                            "ms": (time.perf_counter() - start) * 1000})
         elif step["op"] == "reset":
             results.append({"ok": llm.reset_prefix_cache(reset_connector=step.get("connector", False))})
         elif step["op"] == "counters":
