@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 ENV_VAR = "KVSTRATA_CONFIG"
 EMBEDDED = "<embedded default>"
@@ -91,6 +92,54 @@ class L2Config(_Model):
         return Path(os.path.expandvars(os.path.expanduser(str(v))))
 
 
+class BreakerConfig(_Model):
+    failures: int = Field(3, gt=0)
+    """Consecutive failed calls that open the circuit: the tier is skipped (misses, dropped saves)."""
+    reset_ms: int = Field(1000, gt=0)
+    """First retry after this long; doubles on every failed retry, up to ``max_backoff_ms``."""
+    max_backoff_ms: int = Field(30000, gt=0)
+
+
+class RemoteConfig(_Model):
+    enabled: bool = False
+    backend: Literal["redis", "fs"] = "redis"
+    """``redis``: Redis or Valkey, standalone or Cluster. ``fs``: a shared POSIX folder."""
+    url: str = "redis://127.0.0.1:6379/0"
+    """``redis://`` or ``rediss://`` (TLS); ``user:password@`` for ACL users."""
+    cluster: bool = False
+    """Use the Redis Cluster protocol (keys spread over slots, one batch per node)."""
+    tls_ca: Path | None = None
+    """CA bundle to verify the server certificate with ``rediss://``."""
+    path: Path | None = None
+    """``fs`` backend: the shared folder (NFS, CephFS, JuiceFS, Lustre, ...)."""
+    size: Size = 2**40
+    """``fs`` backend: capacity; ``kvstrata gc`` and writers delete least recently used beyond it."""
+    key_prefix: str = "kvstrata"
+    timeout_ms: int = Field(200, gt=0)
+    """Every remote call gives up after this long; the engine then recomputes."""
+    invalidation_ms: int = Field(50, gt=0)
+    """How often a missed epoch notification is caught up by polling."""
+    breaker: BreakerConfig = BreakerConfig()
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("expected a redis://, rediss:// or unix:// URL")
+        return v
+
+    @field_validator("path", "tls_ca", mode="after")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return None if v is None else Path(os.path.expandvars(os.path.expanduser(str(v))))
+
+    @model_validator(mode="after")
+    def _fs_needs_path(self) -> "RemoteConfig":
+        if self.enabled and self.backend == "fs" and self.path is None:
+            raise ValueError("backend fs needs remote.path (the shared folder)")
+        return self
+
+
 class SaveConfig(_Model):
     queue_blocks: int = Field(4096, gt=0)
     """Blocks waiting to be saved; beyond this, saves are dropped and counted, never blocking."""
@@ -108,6 +157,7 @@ class StrataConfig(_Model):
     namespace: NamespaceConfig = NamespaceConfig()
     l1: L1Config = L1Config()
     l2: L2Config = L2Config()
+    remote: RemoteConfig = RemoteConfig()
     saves: SaveConfig = SaveConfig()
     lease_seconds: float = Field(60.0, gt=0)
     """Pins expire after this long, so a caller that dies never protects blocks forever."""

@@ -27,6 +27,9 @@ class EpochStore(ABC):
         """Namespace seeds this store has an epoch for."""
         return []
 
+    def close(self) -> None:
+        """Stop background work (subscribers); epochs already written stay."""
+
 
 class MemoryEpochs(EpochStore):
     def __init__(self) -> None:

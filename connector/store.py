@@ -33,7 +33,7 @@ from .index import BlockIndex, EntryMeta
 from .keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, chain_keys, root_key
 from .metrics import Counters
 from .saver import Saver
-from .tiers import BlockTier, DiskTier, MemoryTier
+from .tiers import REMOTE_BACKENDS, BlockTier, DiskTier, MemoryTier
 
 log = logging.getLogger(__name__)
 _EVICT_BATCH = 16
@@ -96,6 +96,10 @@ class BlockStore:
             self.backing.append(self.l2)
             self.epochs = FileEpochs(config.l2.path / "epochs")
             self._recover(self.l2)
+        self.remote: BlockTier | None = None
+        if config.remote.enabled:  # the shared tier also holds the epochs every instance obeys
+            self.remote, self.epochs = REMOTE_BACKENDS[config.remote.backend](self.counters, config.remote)
+            self.backing.append(self.remote)
         self._evict_lock = threading.Lock()
         self._saver = Saver(config.saves.queue_blocks, config.saves.threads)
 
@@ -162,14 +166,20 @@ class BlockStore:
         return n - start
 
     def _adopt(self, seed: bytes, epoch: int, chain: BlockChain, i: int) -> bool:
-        """Commit block ``i`` if a backing tier holds a valid copy under its key."""
+        """Commit the blocks from ``i`` on that a backing tier holds under their keys (one batched
+        header probe per tier: O(1) round trips for a remote tier)."""
         for tier in self.backing:
-            meta = tier.probe(chain.keys[i])
-            if (meta is not None and meta.ns_seed == seed and meta.epoch == epoch
-                    and meta.parent == chain.parents[i] and meta.fp == chain.fps[i]
-                    and meta.ntok == chain.lengths[i]):
-                return self.index.commit(meta, tier.bit) is not None and \
-                    self.index.match(seed, epoch, chain, i) > 0
+            metas = tier.probe_many(chain.keys[i:])
+            good = []
+            for j, meta in enumerate(metas):
+                k = i + j
+                if (meta is None or meta.ns_seed != seed or meta.epoch != epoch or meta.parent != chain.parents[k]
+                        or meta.fp != chain.fps[k] or meta.ntok != chain.lengths[k]):
+                    break
+                good.append(meta)
+            if good:
+                self.index.commit_many(good, tier.bit)
+                return self.index.match(seed, epoch, chain, i) > 0
         return False
 
     def _match_tail(self, ns: Namespace, epoch: int, parent: bytes, rest: np.ndarray,
@@ -210,10 +220,9 @@ class BlockStore:
             if run:
                 self.l1.copy_out(slots[:run], out, self.index.meta(int(rows[0])).size)  # type: ignore[arg-type]
                 self.counters.inc("hit_blocks_l1", run)
-            for i in range(run, usable):
-                if not self._load_one(int(rows[i]), out[i]):
-                    usable = i
-                    break
+            if run < usable:
+                outs = [out[i] for i in range(run, usable)]
+                usable = run + self._fetch(rows[run:usable], outs, promote=True)
             if usable < len(keys):
                 self.counters.inc("load_failures")
                 self.counters.inc("load_failed_blocks", len(keys) - usable)
@@ -222,29 +231,42 @@ class BlockStore:
             if lease is not None:
                 self.index.unpin(lease)
 
-    def _load_one(self, row: int, out: torch.Tensor) -> bool:
-        meta = self.index.meta(row)
-        bits = int(self.index.tiers_of(np.array([row]))[0])
-        if bits & self.l1.bit and self.l1.read(meta, out):
-            self.counters.inc("hit_blocks_l1")
-            return True
-        if self._read_backing(row, meta, out, bits):
-            self._put_l1([meta], [out])  # promote
-            return True
-        return False
-
-    def _read_backing(self, row: int, meta: EntryMeta, out: torch.Tensor, bits: int | None = None) -> bool:
-        """Read a block from the first backing tier that holds a good copy (bad ones are dropped)."""
-        if bits is None:
-            bits = int(self.index.tiers_of(np.array([row]))[0])
-        for tier in self.backing:
-            if not bits & tier.bit:
+    def _fetch(self, rows: np.ndarray, outs: list[torch.Tensor], promote: bool) -> int:
+        """Read blocks into ``outs``: from L1 where resident, else from the first backing tier
+        that has them, one batched ``read_many`` per run of blocks on the same tier. Bad copies are
+        dropped by the tier and forgotten here. Returns how many leading blocks were read; with
+        ``promote`` those read from backing tiers are copied into L1 (and from a remote tier, also
+        written to L2 in the background: local tiers cache the shared one)."""
+        metas = [self.index.meta(int(r)) for r in rows]
+        bits = self.index.tiers_of(rows).tolist()
+        i = 0
+        while i < len(rows):
+            if bits[i] & self.l1.bit and self.l1.read(metas[i], outs[i]):
+                self.counters.inc("hit_blocks_l1")
+                i += 1
                 continue
-            if tier.read(meta, out):
-                self.counters.inc(f"hit_blocks_{tier.name}")
-                return True
-            self.index.drop_tier(row, tier.bit)  # the tier deleted its bad or missing copy
-        return False
+            tier = next((t for t in self.backing if bits[i] & t.bit), None)
+            if tier is None:
+                return i
+            j = i + 1
+            while j < len(rows) and bits[j] & tier.bit and not bits[j] & self.l1.bit:
+                j += 1
+            got = tier.read_many(metas[i:j], outs[i:j])
+            if got:
+                self.counters.inc(f"hit_blocks_{tier.name}", got)
+                if promote:
+                    stored = self._put_l1(metas[i : i + got], outs[i : i + got])
+                    if tier is self.remote and self.l2 is not None and stored:
+                        self._saver.submit(len(stored), lambda s=stored: self._write_through(s, [self.l2]))
+            if got < j - i:
+                self.index.drop_tier(int(rows[i + got]), tier.bit)  # the tier dropped a bad copy
+                bits[i + got] &= ~tier.bit
+                i += got
+                if not any(bits[i] & t.bit for t in self.backing):
+                    return i
+                continue  # another tier may still hold it
+            i = j
+        return len(rows)
 
     # -------------------------------------------------------------------- save
     def save(self, ns: Namespace, epoch: int, chain: BlockChain,
@@ -367,24 +389,30 @@ class BlockStore:
         """
         keys = hit.chain.keys
         rows = self.index.rows_of(keys)
-        slots = self.l1.slots_of(keys)
-        for i, (row, slot) in enumerate(zip(rows, slots)):
-            if row < 0:
-                return i
-            if slot is not None:
-                continue
-            meta = self.index.meta(int(row))
-            res = self._reserve([meta])
+        gone = np.flatnonzero(rows < 0)
+        usable = int(gone[0]) if len(gone) else len(keys)
+        slots = self.l1.slots_of(keys[:usable])
+        first = next((i for i, s in enumerate(slots) if s is None), usable)
+        if first == usable:
+            return usable
+        lease = self.index.pin(rows[:usable])
+        try:
+            todo = [self.index.meta(int(r)) for r in rows[first:usable]]
+            res = self._reserve(todo)
             if not res.slots:
-                return i
+                return first
             assert self.l1.data is not None
-            view = self.l1.data[res.slots[0], : meta.size]
-            if not self._read_backing(int(row), meta, view):
-                self.abort(res)
+            views = [self.l1.data[s, : m.size] for s, m in zip(res.slots, res.metas)]
+            got = self._fetch(rows[first : first + len(res.slots)], views, promote=False)
+            if got < len(res.slots):
+                self.l1.release(res.slots[got:])
                 self.counters.inc("load_failures")
-                return i
-            self._publish(res)
-        return len(keys)
+            stored = self._publish(Reservation(res.metas[:got], res.slots[:got]))
+            if self.remote is not None and self.l2 is not None and stored:  # local copy of remote blocks
+                self._saver.submit(len(stored), lambda: self._write_through(stored, [self.l2]))
+            return first + got
+        finally:
+            self.index.unpin(lease)
 
     def l1_slots(self, hit: Hit) -> list[int | None]:
         return self.l1.slots_of(hit.chain.keys)
@@ -406,8 +434,12 @@ class BlockStore:
             self.l1.delete(meta.key)
             self.counters.inc("l1_evicted")
 
-    def _write_through(self, stored: list[tuple[EntryMeta, int]]) -> None:
-        if self.l2 is None or self.config.l2.write != "through" or not stored:
+    def _write_through(self, stored: list[tuple[EntryMeta, int]], tiers: list[BlockTier] | None = None) -> None:
+        """Write L1-resident blocks to the backing tiers (default: all of them, if L2 is
+        write-through; ``tiers`` picks some, e.g. L2 for blocks that came from the remote tier)."""
+        if tiers is None and (self.l2 is None or self.config.l2.write != "through"):
+            tiers = [self.remote] if self.remote is not None else []
+        if not stored or tiers == []:
             return
         rows = np.array([row for _, row in stored], np.int64)
         lease = self.index.pin(rows)  # keep the L1 copies while they are written out
@@ -415,22 +447,24 @@ class BlockStore:
             slots = self.l1.slots_of([meta.key for meta, _ in stored])
             todo = [(meta, slot) for (meta, _), slot in zip(stored, slots) if slot is not None]
             if todo and self.l1.data is not None:
-                self.write_backing([m for m, _ in todo], [self.l1.data[s, : m.size] for m, s in todo])
+                self.write_backing([m for m, _ in todo], [self.l1.data[s, : m.size] for m, s in todo], tiers)
         finally:
             self.index.unpin(lease)
         for tier in self.backing:  # blocks pinned during the write could not be evicted then
             self._enforce_capacity(tier)
 
-    def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor]) -> int:
-        """Checksum blocks and publish them on every backing tier, then commit them together.
+    def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor],
+                      tiers: list[BlockTier] | None = None) -> int:
+        """Checksum blocks and publish them on the backing tiers (default: all), then commit them.
 
         Used by write-through, demotion and the benchmark. Returns how many the first tier took.
         """
         metas = [m._replace(checksum=payload_checksum(memoryview(p[: m.size].numpy())))
                  for m, p in zip(metas, payloads)]
         first = 0
-        for tier in self.backing:
-            done = [m for m, p in zip(metas, payloads) if tier.write(m, p)]
+        for tier in self.backing if tiers is None else tiers:
+            ok = tier.write_many(metas, list(payloads))
+            done = [m for m, good in zip(metas, ok) if good]
             self.index.commit_many(done, tier.bit)
             self._enforce_capacity(tier)
             first = first or len(done)
@@ -480,6 +514,9 @@ class BlockStore:
                         removed[tier.name] += 1
         for tier in self.backing:
             self._enforce_capacity(tier)
+            swept = tier.sweep(self.config.lease_seconds)
+            if swept:
+                removed[tier.name] += swept
         self.counters.inc("gc_removed", sum(removed.values()))
         return dict(removed)
 
@@ -502,6 +539,7 @@ class BlockStore:
 
     def close(self) -> None:
         self._saver.close()
+        self.epochs.close()
         for tier in self.tiers:
             tier.close()
 

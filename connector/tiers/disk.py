@@ -123,7 +123,7 @@ class DiskTier(BlockTier):
                 self._ensure_dir(tail)
                 (tail / str(meta.ntok)).touch(mode=0o600)
         except OSError as e:
-            self.counters.inc("l2_write_errors")
+            self.counters.inc(f"{self.name}_write_errors")
             log.warning("kvstrata L2: write of %s failed: %s", final, e)
             try:
                 os.unlink(tmp)
@@ -132,7 +132,7 @@ class DiskTier(BlockTier):
             return False
         with self._lock:
             self._used += HEADER_SIZE + meta.size
-        self.counters.inc("l2_bytes_written", meta.size)
+        self.counters.inc(f"{self.name}_bytes_written", meta.size)
         return True
 
     def read(self, meta: EntryMeta, out: torch.Tensor) -> bool:
@@ -141,23 +141,23 @@ class DiskTier(BlockTier):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            self.counters.inc("l2_missing")
+            self.counters.inc(f"{self.name}_missing")
             return False
         except OSError as e:
             log.warning("kvstrata L2: cannot open %s: %s", path, e)
-            self.counters.inc("l2_read_errors")
+            self.counters.inc(f"{self.name}_read_errors")
             return False
         try:
             got = os.preadv(fd, [header, memoryview(out[: meta.size].numpy())], 0)
         except OSError as e:
             log.warning("kvstrata L2: read of %s failed: %s", path, e)
-            self.counters.inc("l2_read_errors")
+            self.counters.inc(f"{self.name}_read_errors")
             return False
         finally:
             os.close(fd)
         problem = self._verify(path, meta, header, got, out)
         if problem is None:
-            self.counters.inc("l2_bytes_read", meta.size)
+            self.counters.inc(f"{self.name}_bytes_read", meta.size)
             return True
         log.warning("kvstrata L2: dropping %s: %s", path, problem)
         self.counters.inc("checksum_failures")
@@ -192,7 +192,7 @@ class DiskTier(BlockTier):
             return None
         except OSError as e:
             log.warning("kvstrata L2: unreadable block %s: %s", path, e)
-            self.counters.inc("l2_read_errors")
+            self.counters.inc(f"{self.name}_read_errors")
             return None
         except FormatError as e:
             self._drop_damaged(key, e)
@@ -209,7 +209,7 @@ class DiskTier(BlockTier):
             return
         log.warning("kvstrata L2: dropping damaged block: %s", err)
         self.counters.inc("checksum_failures")
-        self.counters.inc("l2_bad_headers")
+        self.counters.inc(f"{self.name}_bad_headers")
         self.delete(key)
 
     def tail_lengths(self, parent: bytes) -> list[int]:
@@ -259,12 +259,12 @@ class DiskTier(BlockTier):
             except FormatError as e:
                 if e.corrupt:
                     log.warning("kvstrata L2: deleting damaged block file: %s", e)
-                    self.counters.inc("l2_bad_headers")
+                    self.counters.inc(f"{self.name}_bad_headers")
                     path.unlink(missing_ok=True)
                 continue
             if st.st_size != HEADER_SIZE + meta.size:
                 log.warning("kvstrata L2: deleting truncated block file %s", path)
-                self.counters.inc("l2_bad_headers")
+                self.counters.inc(f"{self.name}_bad_headers")
                 path.unlink(missing_ok=True)
                 continue
             used += st.st_size
@@ -277,7 +277,7 @@ class DiskTier(BlockTier):
         pid = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else -1
         if pid != os.getpid() and not _pid_alive(pid):
             path.unlink(missing_ok=True)
-            self.counters.inc("l2_temp_removed")
+            self.counters.inc(f"{self.name}_temp_removed")
 
     @property
     def used_bytes(self) -> int:

@@ -1,83 +1,14 @@
-"""TEST SCAFFOLDING ONLY: lets upstream SGLang run HiCache on a CPU-only machine.
+"""TEST SCAFFOLDING ONLY: start-up hook of SGLang server processes started by the kvstrata tests.
 
-Put on the ``PYTHONPATH`` of an SGLang server by ``tests/test_sglang.py`` (never installed, never
-imported by kvstrata). Python imports ``sitecustomize`` at start-up in every process of the server;
-when ``SGLANG_USE_CPU_ENGINE=1`` it installs an import hook that
-
-- defines the ``torchvision::nms``/``qnms`` op schemas just before torchvision is imported (the only
-  torchvision wheel reachable here is a CUDA build whose ``_C`` cannot load, and its pure-Python
-  parts register fake kernels for those two ops unconditionally);
-- patches SGLang's HiCache host pool right after its modules are imported
-  (``sglang_cpu_patches``): no host-memory registration, no pinned memory, and torch-indexing
-  host<->device copies.
-
-The third gap, the ``sgl_kernel`` package, is the pure-torch stand-in beside this file.
+``tests/test_sglang.py`` (and ``examples/serve_sglang.sh`` without CUDA) put this folder on the
+server's ``PYTHONPATH``; Python imports ``sitecustomize`` at start-up in every process, and with
+``SGLANG_USE_CPU_ENGINE=1`` this installs ``sglang_cpu_hook`` (see there). Never installed, never
+imported by kvstrata itself.
 """
 
-from __future__ import annotations
-
-import importlib.abc
-import importlib.machinery
 import os
-import sys
-from types import ModuleType
-from typing import Callable, Sequence
-
-_BEFORE: dict[str, Callable[[], None]] = {}
-_AFTER: dict[str, Callable[[ModuleType], None]] = {}
-
-
-def _define_torchvision_schemas() -> None:
-    import torch
-
-    lib = torch.library.Library("torchvision", "FRAGMENT")
-    for op in ("nms", "qnms"):
-        try:
-            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        except RuntimeError:
-            pass  # already defined (a real torchvision _C loaded first)
-    _LIBS.append(lib)  # a Library unregisters its definitions when collected
-
-
-_LIBS: list[object] = []
-
-
-class _Hook(importlib.abc.MetaPathFinder):
-    """Runs ``_BEFORE[name]`` before a module is imported and ``_AFTER[name]`` right after."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None):
-        before = _BEFORE.pop(fullname, None)
-        if before is not None:
-            before()
-        after = _AFTER.pop(fullname, None)
-        if after is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module: ModuleType) -> None:
-            exec_module(module)
-            after(module)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
-
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-    _BEFORE["torchvision"] = _define_torchvision_schemas
+    import sglang_cpu_hook
 
-    def _patch(name: str) -> Callable[[ModuleType], None]:
-        def apply(module: ModuleType) -> None:
-            import sglang_cpu_patches
-
-            getattr(sglang_cpu_patches, name)(module)
-
-        return apply
-
-    _AFTER["sglang.srt.mem_cache.pool_host.common"] = _patch("patch_common")
-    _AFTER["sglang.srt.mem_cache.pool_host.mha"] = _patch("patch_mha")
-    _AFTER["sglang.srt.mem_cache.pool_host.mla"] = _patch("patch_mla")
-    sys.meta_path.insert(0, _Hook())
+    sglang_cpu_hook.install()

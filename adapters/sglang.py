@@ -1,0 +1,340 @@
+"""SGLang HiCache storage backend over the kvstrata store (``StrataStorage``).
+
+SGLang's HiCache keeps KV pages in a host memory pool and backs them up to a storage backend
+(the "L3"). Loaded with ``--hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+@configs/sglang.yaml``; one instance per scheduler process (one per TP/PP rank), each with its own
+``BlockStore`` over the shared L2 folder.
+
+Keys. SGLang names a page by a hex SHA-256 chained over the previous page's key and the page's
+token ids. Two key modes, fixed per instance by the extra config:
+
+- ``interface_v1: 1`` (zero-copy, the shipped config): SGLang passes the keys of the pages before
+  each batch (``hicache_storage_pass_prefix_keys: true``), so a batch is mapped with
+  ``keys.chain_digests`` over prefix + batch and the index checks every page's parent key, as for
+  token blocks. Pages move straight between the host pool and the store, one batched index
+  operation per call (``PageRows``). Calls that carry no prefix (``get``, ``set``, ``exists`` and
+  the flat-page methods below, which SGLang does not use in this mode) take their keys to start
+  a sequence.
+- legacy (``batch_get``/``batch_set`` with flat page tensors): SGLang passes no prefix to these
+  calls, so each page is a chain of one rooted at the namespace; the parent check is then
+  SGLang's own, inside its SHA-256 keys.
+
+Every payload that comes from disk is checksummed by the store: a corrupt or missing page is
+reported as failed (with every page after it) and never served. ``clear()`` bumps the namespace
+epoch, which hides everything stored before, in every process sharing the L2 folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvstrata.config import ConfigError, StrataConfig, load_config
+from kvstrata.keys import BlockChain, Namespace, chain_digests, model_fingerprint, root_key
+from kvstrata.store import BlockStore
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.pool_host import HostKVCache
+
+log = logging.getLogger(__name__)
+
+# Keys of the extra config that belong to SGLang (or to its other backends), not to kvstrata.
+# SGLang itself pops prefetch_*, hicache_storage_pass_prefix_keys and tp_lcm_size before we see
+# the dict; they are listed for callers that hand over the file as written.
+SGLANG_KEYS = frozenset({
+    "backend_name", "module_path", "class_name", "interface_v1", "hicache_storage_pass_prefix_keys",
+    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "tp_lcm_size",
+    "file_storage_path", "enable_metadata_cache", "metadata_ttl",
+})
+LAYOUTS = ("layer_first", "page_first")
+
+
+def load_strata_config(extra_config: dict[str, Any] | None) -> StrataConfig:
+    """kvstrata's part of SGLang's extra config (``config_file`` plus dotted or nested keys)."""
+    ours = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
+    path = ours.pop("config_file", None)
+    try:
+        return load_config(path, ours)
+    except ConfigError as e:
+        log.error("%s", e)  # one clear line in the server log before SGLang's own traceback
+        raise
+
+
+def digests_of(keys: Sequence[str]) -> list[bytes]:
+    """SGLang page keys as bytes: 32 bytes for the usual hex SHA-256, the UTF-8 text otherwise."""
+    try:
+        return [bytes.fromhex(k) for k in keys]
+    except ValueError:
+        return [k.encode() for k in keys]
+
+
+def server_passes_prefix_keys() -> bool | None:
+    """Whether the running server passes prefix keys to the backend (None outside a server).
+
+    SGLang pops the flag from the extra config before the backend sees it, so read the server's
+    own copy of the option.
+    """
+    try:
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+        from sglang.srt.runtime_context import get_memory
+
+        raw = get_memory().hicache_storage_backend_extra_config
+        return bool(HybridCacheController.parse_storage_backend_extra_config(raw)[4])
+    except Exception:  # not inside a server (tests, benchmarks) or another SGLang version
+        return None
+
+
+# ---------------------------------------------------------------------------- host pool pages
+class PageRows:
+    """Pages of SGLang's host KV pool as ``[n, page_bytes]`` rows, and back.
+
+    A stored page has the bytes of ``host_pool.get_data_page(i, flat=True)``: the pool buffer with
+    the token dimension cut to one page, in the buffer's own dimension order. So the legacy path
+    (flat page tensors) and the zero-copy path store identical bytes for the same layout. Each
+    direction is one ``index_select``/``index_copy_`` over the token dimension for the whole batch.
+    """
+
+    def __init__(self, pool: "HostKVCache") -> None:
+        if pool.layout not in LAYOUTS:
+            raise ConfigError(f"kvstrata: SGLang host layout {pool.layout!r} is not supported; "
+                              f"use --hicache-mem-layout {' or '.join(LAYOUTS)}")
+        if getattr(pool, "dcp_size", 1) > 1:
+            raise ConfigError("kvstrata: decode context parallelism (dcp_size > 1) is not supported")
+        buf = pool.kv_buffer
+        assert isinstance(buf, torch.Tensor), "host pool without a single kv_buffer"
+        dims = list(buf.shape)
+        if dims.count(pool.size) != 1:
+            raise ConfigError(f"kvstrata: cannot find the token dimension of host KV buffer {dims}")
+        self.buf = buf
+        self.dim = dims.index(pool.size)
+        self.page_size = pool.page_size
+        dims[self.dim] = self.page_size
+        self.page_shape = tuple(dims)
+        self.page_bytes = math.prod(self.page_shape) * buf.element_size()
+        self.signature = f"{type(pool).__name__}:{pool.layout}:{list(self.page_shape)}:{buf.dtype}"
+
+    def _tokens(self, host_indices: torch.Tensor, n: int) -> torch.Tensor:
+        return host_indices[: n * self.page_size].to(device=self.buf.device, dtype=torch.long)
+
+    def gather(self, host_indices: torch.Tensor, n: int) -> torch.Tensor:
+        """Pages starting at ``host_indices[i * page_size]`` as contiguous uint8 rows."""
+        pages = self.buf.index_select(self.dim, self._tokens(host_indices, n))
+        pages = pages.unflatten(self.dim, (n, self.page_size)).movedim(self.dim, 0)
+        return pages.reshape(n, -1).view(torch.uint8)
+
+    def scatter(self, rows: torch.Tensor, host_indices: torch.Tensor) -> None:
+        """Write ``rows`` (``[n, page_bytes]`` uint8) to the pages at ``host_indices``."""
+        n = rows.shape[0]
+        if not n:
+            return
+        pages = rows.view(self.buf.dtype).view(n, *self.page_shape)
+        pages = pages.movedim(0, self.dim).flatten(self.dim, self.dim + 1)
+        self.buf.index_copy_(self.dim, self._tokens(host_indices, n), pages)
+
+
+# ---------------------------------------------------------------------------- metrics
+@dataclass
+class StrataStorageMetrics(StorageMetrics):
+    """SGLang's storage metrics (page counts and GB/s per call since the last report) plus
+    kvstrata's own counters (cumulative)."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class _CallLog:
+    """Per-call page counts and bandwidths, drained by ``get_stats`` (several threads append)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._m = StorageMetrics()
+
+    def record(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            getattr(self._m, f"{kind}_pgs").append(pages)
+            getattr(self._m, f"{kind}_bandwidth").append(nbytes / max(seconds, 1e-9) / 1e9)
+
+    def drain(self, counters: dict[str, int]) -> StrataStorageMetrics:
+        with self._lock:
+            m, self._m = self._m, StorageMetrics()
+        return StrataStorageMetrics(m.prefetch_pgs, m.backup_pgs, m.prefetch_bandwidth,
+                                    m.backup_bandwidth, counters)
+
+
+# ---------------------------------------------------------------------------- the backend
+def namespace_for(config: HiCacheStorageConfig, cfg: StrataConfig, rows: PageRows, chained: bool) -> Namespace:
+    model = config.model_name or ""
+    version = cfg.namespace.model_version
+    if version is None:
+        version = model_fingerprint(model) if model and os.path.isdir(model) else "main"
+    shared = config.is_mla_model  # MLA KV is identical on every TP rank: one copy for all
+    return Namespace(
+        engine="sglang",
+        model=model,
+        model_version=version,
+        kv_dtype=str(rows.buf.dtype),
+        layout=rows.signature,
+        block_size=rows.page_size,
+        rank=0 if shared else config.tp_rank,
+        world_size=1 if shared else config.tp_size,
+        tenant=cfg.namespace.tenant,
+        extra={"pp": f"{config.pp_rank}/{config.pp_size}",
+               "cp": f"{config.attn_cp_rank}/{config.attn_cp_size}",
+               "keys": "chained" if chained else "per_page"},
+    )
+
+
+class StrataStorage(HiCacheStorage):
+    """kvstrata as a HiCache storage backend. See the module docstring."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        extra = storage_config.extra_config or {}
+        self.config = load_strata_config(extra)
+        self.chained = bool(extra.get("interface_v1", 0))
+        if self.chained and server_passes_prefix_keys() is False:
+            log.warning("kvstrata: the extra config lacks hicache_storage_pass_prefix_keys: true, so "
+                        "SGLang keys every batch as if it started a sequence and most pages after "
+                        "the first batch will miss (see configs/sglang.yaml)")
+        # MLA ranks hold the same pages: only the writer stores them, every rank reads.
+        self.writer = getattr(storage_config, "is_storage_writer",
+                              not storage_config.is_mla_model or storage_config.tp_rank == 0)
+        self.store = BlockStore(self.config)
+        self.rows: PageRows | None = None
+        self.ns: Namespace | None = None
+        self._calls = _CallLog()
+        log.info("kvstrata: SGLang storage backend for %s (tp %d/%d, %s keys, writer=%s)",
+                 storage_config.model_name, storage_config.tp_rank, storage_config.tp_size,
+                 "chained" if self.chained else "per-page", self.writer)
+
+    def register_mem_pool_host(self, mem_pool_host: "HostKVCache") -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.rows = PageRows(mem_pool_host)
+        self.ns = namespace_for(self.storage_config, self.config, self.rows, self.chained)
+        log.info("kvstrata: namespace %s (%s), %d-byte pages", self.ns.id, self.ns.layout, self.rows.page_bytes)
+
+    # -------------------------------------------------------------- keys
+    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> tuple[int, BlockChain]:
+        """Current epoch and the kvstrata chain of ``keys`` (this batch only)."""
+        assert self.ns is not None, "register_mem_pool_host() was not called"
+        epoch = self.store.current_epoch(self.ns)
+        root = root_key(self.ns.seed, epoch)
+        ntok = self.ns.block_size
+        if not self.chained:  # one chain per page, each rooted at the namespace
+            parts = [chain_digests(root, [d], ntok) for d in digests_of(keys)]
+            return epoch, BlockChain([c.keys[0] for c in parts], [root] * len(parts),
+                                     [c.fps[0] for c in parts], [ntok] * len(parts))
+        # SGLang sends None for an empty prefix (a batch that starts the sequence).
+        prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
+        chain = chain_digests(root, digests_of([*prefix, *keys]), ntok)
+        start = len(prefix)
+        return epoch, BlockChain(*(part[start:] for part in chain))
+
+    # -------------------------------------------------------------- queries
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Length of the leading run of ``keys`` stored and valid (index and tier headers only)."""
+        if not keys:
+            return 0
+        epoch, chain = self._chain(keys, extra_info)
+        assert self.ns is not None
+        return self.store.lookup_chain(self.ns, epoch, chain).num_blocks
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -------------------------------------------------------------- zero-copy path
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Load the leading stored run of ``keys`` into the host pool; page i starts at
+        ``host_indices[i * page_size]``. A page that fails (and every later one) is False."""
+        if not keys:
+            return []
+        assert self.rows is not None and self.ns is not None
+        start = time.perf_counter()
+        epoch, chain = self._chain(keys, extra_info)
+        hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
+        try:
+            out = torch.empty((hit.num_blocks, self.rows.page_bytes), dtype=torch.uint8)
+            loaded = self.store.load(hit, out)
+        finally:
+            self.store.release(hit)
+        self.rows.scatter(out[:loaded], host_indices)
+        self._calls.record("prefetch", loaded, loaded * self.rows.page_bytes, time.perf_counter() - start)
+        log.debug("kvstrata: loaded %d of %d pages", loaded, len(keys))
+        return [i < loaded for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store the pages at ``host_indices``; True where the page is stored afterwards."""
+        if not keys:
+            return []
+        if not self.writer:
+            return [True] * len(keys)
+        assert self.rows is not None
+        start = time.perf_counter()
+        stored = self._put(keys, self.rows.gather(host_indices, len(keys)), extra_info)
+        self._calls.record("backup", len(keys), len(keys) * self.rows.page_bytes, time.perf_counter() - start)
+        return stored
+
+    def _put(self, keys: Sequence[str], payloads: torch.Tensor | Sequence[torch.Tensor],
+             extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        epoch, chain = self._chain(keys, extra_info)
+        assert self.ns is not None
+        self.store.put(self.ns, epoch, chain, payloads)
+        return self.store.index.valid_mask(self.ns.seed, epoch, chain).tolist()
+
+    # -------------------------------------------------------------- legacy path (flat pages)
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Fill ``target_locations[i]`` (flat page tensors) for the leading stored run."""
+        if not keys:
+            return []
+        assert self.ns is not None
+        epoch, chain = self._chain(keys, None)
+        hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
+        try:
+            loaded = self.store.load(hit, [t.reshape(-1).view(torch.uint8) for t in target_locations[: hit.num_blocks]])
+        finally:
+            self.store.release(hit)
+        return [t if i < loaded else None for i, t in enumerate(target_locations[: len(keys)])]
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if not keys:
+            return True
+        if not self.writer:
+            return True
+        return all(self._put(keys, [v.reshape(-1).view(torch.uint8) for v in values], None))
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    # -------------------------------------------------------------- control
+    def clear(self) -> bool:
+        """Bump the namespace epoch: nothing stored before is served again, by any process."""
+        if self.ns is None:
+            return False
+        epoch = self.store.invalidate(self.ns.seed)
+        log.info("kvstrata: storage cleared, namespace %s now at epoch %d", self.ns.id, epoch)
+        return True
+
+    def get_stats(self) -> StrataStorageMetrics:
+        return self._calls.drain(self.store.counters.snapshot())
+
+    def close(self) -> None:
+        self.store.close()  # waits for queued saves

@@ -1,0 +1,73 @@
+"""A circuit breaker for tiers behind a network or a shared mount.
+
+``call(fn, default)`` runs ``fn`` while the circuit is closed. After ``failures`` consecutive
+errors it opens: calls return ``default`` at once (a miss, a dropped save) instead of waiting for
+a dead service, so requests are served from local tiers and recompute. After ``reset_ms`` one call
+is let through (half-open); success closes the circuit, failure reopens it with twice the delay, up
+to ``max_backoff_ms``. Errors are logged once per opening, not per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, TypeVar
+
+from .config import BreakerConfig
+from .metrics import Counters
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Breaker:
+    def __init__(self, cfg: BreakerConfig, name: str, counters: Counters) -> None:
+        self._cfg, self._name, self._counters = cfg, name, counters
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._open_until = 0.0
+        self._backoff = cfg.reset_ms / 1000
+        self._probing = False
+
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._open_until > 0
+
+    def _allow(self) -> bool:
+        with self._lock:
+            if not self._open_until:
+                return True
+            if self._probing or time.monotonic() < self._open_until:
+                return False
+            self._probing = True  # half-open: exactly one trial call
+            return True
+
+    def call(self, fn: Callable[[], T], default: T) -> T:
+        if not self._allow():
+            self._counters.inc(f"{self._name}_skipped")
+            return default
+        try:
+            result = fn()
+        except Exception as e:  # the I/O edge: any client error becomes a miss
+            self._failed(e)
+            return default
+        with self._lock:
+            if self._open_until:
+                log.warning("kvstrata %s: reachable again, circuit closed", self._name)
+            self._failures, self._open_until, self._probing = 0, 0.0, False
+            self._backoff = self._cfg.reset_ms / 1000
+        return result
+
+    def _failed(self, err: Exception) -> None:
+        self._counters.inc(f"{self._name}_errors")
+        with self._lock:
+            self._failures += 1
+            if self._probing or self._failures >= self._cfg.failures:
+                if not self._open_until:
+                    log.warning("kvstrata %s: %s; circuit open, serving from local tiers", self._name, err)
+                    self._counters.inc(f"{self._name}_circuit_opened")
+                self._open_until = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, self._cfg.max_backoff_ms / 1000)
+                self._probing = False

@@ -1,0 +1,88 @@
+"""Test helpers: private redis-server instances on loopback ports (standalone and a 3-master Cluster)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import redis
+
+REDIS = shutil.which("redis-server")
+
+
+def free_port(bus: bool = False) -> int:
+    """A free loopback port; with ``bus``, one whose cluster bus port (+10000) is free too."""
+    if not bus:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 30000)
+        try:
+            with socket.socket() as s1, socket.socket() as s2:
+                s1.bind(("127.0.0.1", port))
+                s2.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def start(port: int, folder: Path, *extra: str) -> subprocess.Popen[bytes]:
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([REDIS or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", str(folder), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    for _ in range(100):
+        try:
+            if client.ping():
+                return proc
+        except redis.RedisError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server on port {port} did not start")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+@contextmanager
+def standalone(folder: Path, *extra: str) -> Iterator[tuple[str, int, list[subprocess.Popen[bytes]]]]:
+    """Yields (url, port, [process]); the process list lets a test kill and restart it."""
+    port = free_port()
+    procs = [start(port, folder, *extra)]
+    try:
+        yield f"redis://127.0.0.1:{port}/0", port, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                stop(p)
+
+
+@contextmanager
+def cluster(folder: Path, masters: int = 3) -> Iterator[str]:
+    ports = [free_port(bus=True) for _ in range(masters)]
+    procs = [start(p, folder / str(p), "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
+                   "--cluster-node-timeout", "2000") for p in ports]
+    try:
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        client = redis.Redis(port=ports[0])
+        for _ in range(200):
+            if client.cluster("info").get("cluster_state") == "ok":
+                break
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{ports[0]}/0"
+    finally:
+        for p in procs:
+            stop(p)

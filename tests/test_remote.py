@@ -1,0 +1,192 @@
+"""The shared tier (L3) on real Redis (standalone and Cluster) and on a shared folder."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+import redisutil
+from kvstrata import BlockStore, Namespace
+from kvstrata.config import load_config
+
+pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
+
+NS = Namespace("test", "tiny", "v1", "bfloat16", "4x[2,16,64]", 16)
+SIZE = 2048
+
+
+def payloads(chain) -> torch.Tensor:
+    """Block bytes derived from each key, so any load can be checked against its key."""
+    rows = [np.frombuffer(k * (SIZE // 16), np.uint8) for k in chain.keys]
+    return torch.from_numpy(np.stack(rows).copy())
+
+
+def store(tmp: Path, name: str, remote: dict) -> BlockStore:
+    overrides = {"l1.size": "4MiB", "l1.pin_memory": False, "l2.path": str(tmp / name / "l2"),
+                 **{f"remote.{k}": v for k, v in remote.items()}, "remote.enabled": True}
+    return BlockStore(load_config(None, overrides))
+
+
+def prompt(seed: int, n: int = 64 * 16 + 5) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.uint32)
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    with redisutil.standalone(tmp_path / "redis") as (url, port, procs):
+        yield url
+
+
+@pytest.fixture(params=["redis", "cluster", "fs"])
+def backend(request, tmp_path):
+    if request.param == "redis":
+        with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
+            yield {"backend": "redis", "url": url}
+    elif request.param == "cluster":
+        with redisutil.cluster(tmp_path / "cluster") as url:
+            yield {"backend": "redis", "url": url, "cluster": True}
+    else:
+        yield {"backend": "fs", "path": str(tmp_path / "shared")}
+
+
+def test_second_instance_hits_and_loads_what_the_first_stored(tmp_path, backend):
+    """Scenario: two instances with their own L1 and L2 share only the remote tier."""
+    a, b = store(tmp_path, "a", backend), store(tmp_path, "b", backend)
+    tokens = prompt(1)
+    epoch, chain = a.chain(NS, tokens)
+    expected = payloads(chain)
+    a.put(NS, epoch, chain, expected)
+    hit = b.lookup(NS, tokens)
+    assert hit.num_tokens == len(tokens)  # every block, the partial tail included
+    out = torch.zeros_like(expected)
+    assert b.load(hit, out) == len(chain.keys)
+    assert torch.equal(out, expected)
+    assert b.counters.get("hit_blocks_remote") == len(chain.keys)
+    b.flush()
+    again = b.lookup(NS, tokens)  # promoted: now local
+    assert all(t & b.l1.bit for t in again.tiers)
+    assert b.l2 is not None and all(b.l2.path(k).exists() for k in chain.keys)
+    a.close()
+    b.close()
+
+
+def test_invalidation_reaches_the_other_instance_within_the_bound(tmp_path, backend):
+    a, b = store(tmp_path, "a", backend), store(tmp_path, "b", backend)
+    tokens = prompt(2)
+    epoch, chain = a.chain(NS, tokens)
+    a.put(NS, epoch, chain, payloads(chain))
+    assert b.lookup(NS, tokens).num_blocks == len(chain.keys)
+    a.invalidate(NS.seed)
+    start = time.monotonic()
+    while b.lookup(NS, tokens).num_blocks:
+        assert time.monotonic() - start < 1.0, "B still serves the old epoch"
+        time.sleep(0.005)
+    bound = 0.1 if backend["backend"] == "redis" else 1.0
+    assert time.monotonic() - start <= bound
+    a.close()
+    b.close()
+
+
+def test_lookup_of_a_64_block_prefix_costs_at_most_two_round_trips(tmp_path, redis_url):
+    a, b = store(tmp_path, "a", {"url": redis_url}), store(tmp_path, "b", {"url": redis_url})
+    tokens = prompt(3, 64 * 16 + 5)
+    epoch, chain = a.chain(NS, tokens)
+    a.put(NS, epoch, chain, payloads(chain))
+    server = redis.Redis.from_url(redis_url)
+    server.ping()
+    b.lookup(NS, prompt(99))  # connections are open, as between requests
+    time.sleep(0.1)  # and the cached epoch is stale, so it is checked again
+    server.config_resetstat()
+    hit = b.lookup(NS, tokens)  # epoch check included (a GET when the cached epoch is stale)
+    stats = server.info("commandstats")
+    calls = {k: v["calls"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config|resetstat")}
+    assert hit.num_blocks == 65 and sum(calls.values()) <= 2, calls
+    a.close()
+    b.close()
+
+
+def test_payload_evicted_by_redis_is_a_miss_not_an_error(tmp_path, redis_url):
+    a, b = store(tmp_path, "a", {"url": redis_url}), store(tmp_path, "b", {"url": redis_url})
+    tokens = prompt(4, 8 * 16)
+    epoch, chain = a.chain(NS, tokens)
+    a.put(NS, epoch, chain, payloads(chain))
+    server = redis.Redis.from_url(redis_url)
+    server.delete(f"kvstrata:{{{chain.keys[5].hex()}}}:p")  # what allkeys-lru may do
+    hit = b.lookup(NS, tokens)
+    out = torch.zeros((hit.num_blocks, SIZE), dtype=torch.uint8)
+    assert b.load(hit, out) == 5
+    assert torch.equal(out[:5], payloads(chain)[:5])
+    a.close()
+    b.close()
+
+
+def test_corrupted_remote_payload_is_dropped_and_counted(tmp_path, redis_url):
+    a, b = store(tmp_path, "a", {"url": redis_url}), store(tmp_path, "b", {"url": redis_url})
+    tokens = prompt(5, 8 * 16)
+    epoch, chain = a.chain(NS, tokens)
+    a.put(NS, epoch, chain, payloads(chain))
+    server = redis.Redis.from_url(redis_url)
+    name = f"kvstrata:{{{chain.keys[3].hex()}}}:p"
+    value = bytearray(server.get(name))
+    value[-7] ^= 0xFF
+    server.set(name, bytes(value))
+    server.set(f"kvstrata:{{{chain.keys[6].hex()}}}:i", b"garbage header")  # never trusted
+    hit = b.lookup(NS, tokens)
+    assert hit.num_blocks == 6  # the garbage index entry ends the chain
+    out = torch.zeros((hit.num_blocks, SIZE), dtype=torch.uint8)
+    assert b.load(hit, out) == 3
+    assert b.counters.get("checksum_failures") == 1
+    assert not server.exists(name)
+    a.close()
+    b.close()
+
+
+def test_dead_redis_never_fails_a_request_and_hits_resume_after_restart(tmp_path):
+    with redisutil.standalone(tmp_path / "redis") as (url, port, procs):
+        cfg = {"url": url, "timeout_ms": 100, "breaker.reset_ms": 200, "breaker.max_backoff_ms": 400}
+        a = store(tmp_path, "a", cfg)
+        tokens = prompt(6, 16 * 16)
+        epoch, chain = a.chain(NS, tokens)
+        a.put(NS, epoch, chain, payloads(chain))
+        redisutil.stop(procs.pop())
+        b = store(tmp_path, "b", cfg)  # starts while Redis is down
+        start = time.monotonic()
+        for _ in range(20):
+            assert b.lookup(NS, tokens).num_blocks == 0  # no error, just a miss
+        e2, c2 = b.chain(NS, prompt(7, 4 * 16))
+        assert b.put(NS, e2, c2, payloads(c2)) == 4  # local tiers keep working
+        assert time.monotonic() - start < 3.0  # one timeout, then the breaker skips Redis
+        assert b.counters.get("remote_circuit_opened") >= 1
+        procs.append(redisutil.start(port, tmp_path / "redis"))  # empty: the restart lost everything
+        fresh = prompt(8, 16 * 16)
+        deadline = time.monotonic() + 5
+        e3, c3 = a.chain(NS, fresh)
+        while True:  # A's breaker may still be open: its saves resume after the backoff
+            a.put(NS, e3, c3, payloads(c3))
+            if b.lookup(NS, fresh).num_blocks:
+                break
+            assert time.monotonic() < deadline, "hits did not resume after Redis came back"
+            a.index.drop_key(c3.keys[0])  # forget the local copy so the next put publishes again
+            a.l1.delete(c3.keys[0])
+            time.sleep(0.1)
+        a.close()
+        b.close()
+
+
+def test_fs_gc_keeps_capacity_and_spares_leased_blocks(tmp_path):
+    shared = {"backend": "fs", "path": str(tmp_path / "shared"), "size": 20 * (SIZE + 128)}
+    a = store(tmp_path, "a", shared)
+    for seed in range(4):
+        epoch, chain = a.chain(NS, prompt(10 + seed, 10 * 16))
+        a.put(NS, epoch, chain, payloads(chain))
+    files = list((tmp_path / "shared" / "blocks").glob("*/*.kvb"))
+    assert len(files) == 40
+    assert a.remote is not None and a.remote.sweep(lease_s=3600) == 0  # all leased (fresh)
+    assert a.remote.sweep(lease_s=0) == 20
+    assert len(list((tmp_path / "shared" / "blocks").glob("*/*.kvb"))) == 20
+    a.close()

