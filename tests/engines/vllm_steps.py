@@ -4,7 +4,9 @@ Usage: python vllm_steps.py SPEC.json. SPEC: {"model": DIR, "config": YAML or nu
 "mp": bool (separate EngineCore/worker processes), "block_size": int, "steps": [...]}. Steps:
 {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} -> {"tokens", "cached", "ms"};
 {"op": "reset", "connector": bool} -> {"ok"}; {"op": "counters"} -> the connector's counters
-(in-process engines only). Greedy decoding throughout.
+(in-process engines only); {"op": "signal", "file": path} creates a file; {"op": "wait", "file":
+path} waits for one (to coordinate with the test or another engine); {"op": "sleep", "s": x}.
+Greedy decoding throughout.
 """
 
 import json
@@ -45,6 +47,19 @@ def main() -> None:
                             "ms": (time.perf_counter() - start) * 1000})
         elif step["op"] == "reset":
             results.append({"ok": llm.reset_prefix_cache(reset_connector=step.get("connector", False))})
+        elif step["op"] == "signal":
+            open(step["file"], "w").close()
+            results.append({})
+        elif step["op"] == "wait":
+            deadline = time.monotonic() + step.get("timeout", 300)
+            while not os.path.exists(step["file"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(step["file"])
+                time.sleep(0.05)
+            results.append({})
+        elif step["op"] == "sleep":
+            time.sleep(step["s"])
+            results.append({})
         elif step["op"] == "counters":
             sched = llm.llm_engine.engine_core.engine_core.scheduler
             results.append(sched.connector._sched.store.counters.snapshot())
