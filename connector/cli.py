@@ -118,6 +118,14 @@ def replay(args: argparse.Namespace) -> int:
     return run(load_config(args.config), conversations=args.conversations)
 
 
+@command("bench remote")
+def bench_remote(args: argparse.Namespace) -> int:
+    from .bench.remote import run
+
+    print(json.dumps(run(args.url, quick=args.quick)))
+    return 0
+
+
 @command("demo")
 def demo(args: argparse.Namespace) -> int:
     from .demo import run
@@ -150,6 +158,10 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", action="store_true", help="only the JSON line")
     rp = with_config(sub.add_parser("replay", help="chat traffic through the store alone, two processes"))
     rp.add_argument("--conversations", type=int, default=40)
+    br = bench.add_parser("remote", help="the Redis tier beside raw redis-py, invalidation latency")
+    br.add_argument("--url", default=None, help="an existing server (default: start a private one)")
+    br.add_argument("--quick", action="store_true")
+    br.add_argument("--json", action="store_true", help="only the JSON line (the default output)")
     dm = sub.add_parser("demo", help="the main job: vLLM with kvstrata, cold vs reloaded after a restart")
     dm.add_argument("--model", required=True, help="model folder (examples/make_tiny_model.py builds one)")
     dm.add_argument("--config", default=None, help="kvstrata YAML (default: the embedded default)")

@@ -8,10 +8,13 @@ slot and a node):
     P:{<parent hex>}:t   set of token counts of partial blocks stored after that parent
     P:epoch:<ns hex>     namespace epoch (INCR), announced on channel ``P:epochs``
 
-Publication writes the payload, then the index entry: in one MULTI/EXEC on a standalone server;
-in Cluster mode the two commands go in order on the connection to the slot's node. Readers only
-follow index entries, so they never see a block without its payload; if Redis's own eviction
-(``allkeys-lru``) dropped the payload anyway, the read is a miss, never an error. Headers read back
+Publication writes the payload, then the index entry, in that order on one connection to the
+slot's node (a hash tag puts both in one slot), so Redis applies them in order: the index entry's
+SET is the commit. Readers only follow index entries, so they never see a block without its
+payload; a writer that dies between the two leaves an invisible payload that LRU reclaims. We do
+not wrap the pair in MULTI/EXEC: it adds no safety for readers that follow index entries, and
+measured here it halved write throughput (0.43 vs 0.81 of raw pipelined SETs). If Redis's own
+eviction (``allkeys-lru``) drops a payload, the read is a miss, never an error. Headers read back
 are parsed with bounds checks and payloads are checksummed before use.
 
 A lookup of N blocks is one MGET of index entries and a load is one MGET of payloads (in Cluster
@@ -148,10 +151,11 @@ class RedisTier(BlockTier):
             return []
 
         def publish() -> list[bool]:
-            pipe = self.client.pipeline(transaction=not self._cfg.cluster)
+            pipe = self.client.pipeline(transaction=False)
             for meta, payload in zip(metas, payloads):
                 header = pack_header(meta)
-                pipe.set(self._k(meta.key, "p"), header + payload[: meta.size].numpy().tobytes())
+                value = b"".join((header, memoryview(payload[: meta.size].numpy())))  # one copy
+                pipe.set(self._k(meta.key, "p"), value)
                 pipe.set(self._k(meta.key, "i"), header)  # after the payload: the commit
                 if meta.tail:
                     pipe.sadd(self._k(meta.parent, "t"), str(meta.ntok))

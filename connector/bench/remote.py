@@ -1,0 +1,188 @@
+"""``kvstrata bench remote``: the Redis tier beside raw redis-py on the same server, in one run.
+
+- ``raw_redis_set_gbps`` / ``raw_redis_get_gbps``: one pipelined SET / one MGET of the same
+  payloads as ready ``bytes`` (the least any client does);
+- ``strata_redis_set_gbps`` / ``strata_redis_get_gbps``: ``RedisTier.write_many`` / ``read_many``
+  (header, index entry in the same transaction, bounds checks, checksum verification, copy into
+  the destination tensor);
+- ``invalidation_visible_ms``: median over 20 epoch bumps of the time until a second process sees
+  the new epoch;
+- ``lookup_round_trips``: commands the server receives for one lookup of a 64-block prefix stored
+  by another instance (epoch check included).
+
+Starts a private ``redis-server`` on a loopback port unless ``--url`` is given.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..blockfmt import payload_checksum
+from ..config import load_config
+from ..index import EntryMeta
+from ..keys import Namespace
+from ..store import BlockStore
+
+NS = Namespace("bench", "bench-model", "v1", "bfloat16", "bench", 16)
+
+
+def _server() -> tuple[subprocess.Popen[bytes], str, Path]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = Path(tempfile.mkdtemp(prefix="kvstrata-bench-redis-"))
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(folder)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0", folder
+
+
+def _store(url: str, tmp: Path, name: str) -> BlockStore:
+    return BlockStore(load_config(None, {"l1.size": "1GiB", "l1.pin_memory": False, "l2.enabled": False,
+                                         "remote.enabled": True, "remote.url": url,
+                                         "remote.timeout_ms": 5000, "saves.queue_blocks": 1 << 20,
+                                         "l2.path": str(tmp / name)}))
+
+
+def _throughput(url: str, tmp: Path, block_bytes: int, n: int, rounds: int) -> dict[str, float]:
+    import redis
+
+    raw = redis.Redis.from_url(url)
+    store = _store(url, tmp, "tput")
+    tier = store.remote
+    assert tier is not None
+    src = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8)
+    values = [bytes(src[i].numpy()) for i in range(n)]
+    out = torch.zeros_like(src)
+    res: dict[str, list[float]] = {k: [] for k in ("raw_set", "raw_get", "strata_set", "strata_get")}
+    for r in range(rounds + 1):  # round 0 warms connections and allocators
+        tokens = np.arange(r * n * 16, (r + 1) * n * 16, dtype=np.uint32)
+        epoch, chain = store.chain(NS, tokens)
+        metas = [EntryMeta(k, p, f, ln, NS.seed, epoch, block_bytes, payload_checksum(v))
+                 for (k, p, f, ln), v in zip(zip(*chain), values)]
+        names = [f"rawbench:{r}:{i}" for i in range(n)]
+
+        def raw_set() -> None:
+            pipe = raw.pipeline(transaction=False)
+            for name, v in zip(names, values):
+                pipe.set(name, v)
+            pipe.execute()
+
+        def timed(fn: Any) -> float:
+            t = time.perf_counter()
+            fn()
+            return time.perf_counter() - t
+
+        res["raw_set"].append(timed(raw_set))
+        res["strata_set"].append(timed(lambda: tier.write_many(metas, list(src))))
+        res["raw_get"].append(timed(lambda: raw.mget(names)))
+        got = [0]
+        res["strata_get"].append(timed(lambda: got.__setitem__(0, tier.read_many(metas, list(out)))))
+        if got[0] != n or not torch.equal(out, src):
+            raise RuntimeError("remote benchmark read back different bytes")
+        raw.flushall()
+    store.close()
+    nbytes = n * block_bytes
+    names = {"raw_set": "raw_redis_set_gbps", "raw_get": "raw_redis_get_gbps",
+             "strata_set": "strata_redis_set_gbps", "strata_get": "strata_redis_get_gbps"}
+    return {names[k]: round(nbytes / statistics.median(v[1:]) / 1e9, 3) for k, v in res.items()}
+
+
+def _observer(url: str, tmp: str, seed: bytes, bumps: int, ready: Any, queue: Any) -> None:
+    store = _store(url, Path(tmp), "observer")
+    seen = store.epochs.get(seed)
+    ready.set()
+    times = []
+    while len(times) < bumps:
+        epoch = store.epochs.get(seed)
+        if epoch != seen:
+            times.append(time.time())
+            seen = epoch
+        else:
+            time.sleep(0.0005)
+    queue.put(times)
+    store.close()
+
+
+def _invalidation(url: str, tmp: Path, bumps: int = 20) -> float:
+    ctx = mp.get_context("spawn")
+    ready, queue = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=_observer, args=(url, str(tmp), NS.seed, bumps, ready, queue))
+    proc.start()
+    ready.wait(60)
+    store = _store(url, tmp, "bumper")
+    sent = []
+    for _ in range(bumps):
+        time.sleep(0.05)
+        sent.append(time.time())
+        store.epochs.bump(NS.seed)
+    seen = queue.get(timeout=60)
+    proc.join(30)
+    store.close()
+    return round(statistics.median((b - a) * 1000 for a, b in zip(sent, seen)), 2)
+
+
+def _round_trips(url: str, tmp: Path) -> int:
+    import redis
+
+    a, b = _store(url, tmp, "rt-a"), _store(url, tmp, "rt-b")
+    tokens = np.random.default_rng(0).integers(0, 30000, 64 * 16, dtype=np.uint32)
+    epoch, chain = a.chain(NS, tokens)
+    a.put(NS, epoch, chain, torch.zeros((64, 4096), dtype=torch.uint8))
+    a.flush()
+    server = redis.Redis.from_url(url)
+    b.lookup(NS, tokens[:10])  # open connections, as between requests
+    time.sleep(0.2)  # let the cached epoch go stale: the lookup checks it again
+    server.config_resetstat()
+    hit = b.lookup(NS, tokens)
+    stats = server.info("commandstats")
+    a.close()
+    b.close()
+    if hit.num_blocks != 64:
+        raise RuntimeError(f"round-trip benchmark hit {hit.num_blocks} of 64 blocks")
+    return sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config|resetstat"))
+
+
+def run(url: str | None = None, quick: bool = False) -> dict[str, object]:
+    if url is None and shutil.which("redis-server") is None:
+        raise SystemExit("kvstrata bench remote: redis-server is not installed and no --url was given")
+    proc = folder = None
+    if url is None:
+        proc, url, folder = _server()
+    tmp = Path(tempfile.mkdtemp(prefix="kvstrata-bench-remote-"))
+    try:
+        out: dict[str, object] = {"url": url, "block_bytes": 256 << 10}
+        out.update(_throughput(url, tmp, 256 << 10, 64 if quick else 256, 3 if quick else 7))
+        out["invalidation_visible_ms"] = _invalidation(url, tmp)
+        out["lookup_round_trips"] = _round_trips(url, tmp)
+        out["ratios"] = {
+            "set_vs_raw": round(out["strata_redis_set_gbps"] / out["raw_redis_set_gbps"], 3),  # type: ignore[operator]
+            "get_vs_raw": round(out["strata_redis_get_gbps"] / out["raw_redis_get_gbps"], 3),  # type: ignore[operator]
+        }
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(folder, ignore_errors=True)  # type: ignore[arg-type]
