@@ -126,6 +126,19 @@ def bench_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("simulate")
+def simulate(args: argparse.Namespace) -> int:
+    from .config import parse_size
+    from .simulate import run
+    from .trace import load_trace
+
+    trace = load_trace(args.trace)
+    if args.requests:
+        trace = trace[args.start : args.start + args.requests]
+    sizes = {"l1": parse_size(args.l1), "l2": parse_size(args.l2), "l3": parse_size(args.l3 or 0)}
+    return run(trace, sizes, parse_size(args.block_bytes), args.json)
+
+
 @command("demo")
 def demo(args: argparse.Namespace) -> int:
     from .demo import run
@@ -162,6 +175,16 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("--url", default=None, help="an existing server (default: start a private one)")
     br.add_argument("--quick", action="store_true")
     br.add_argument("--json", action="store_true", help="only the JSON line (the default output)")
+    sm = sub.add_parser("simulate", help="capacity planning: a trace through the real index and LRU")
+    sm.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    sm.add_argument("--l1", required=True, help="CPU tier size, e.g. 64GiB")
+    sm.add_argument("--l2", required=True, help="disk tier size, e.g. 2TiB (0: none)")
+    sm.add_argument("--l3", default=None, help="shared tier size (default: none)")
+    sm.add_argument("--block-bytes", default="6MiB",
+                    help="KV bytes of one 512-token trace block (default 6MiB: Qwen2-0.5B in bf16)")
+    sm.add_argument("--requests", type=int, default=0, help="replay only this many requests")
+    sm.add_argument("--start", type=int, default=0)
+    sm.add_argument("--json", action="store_true")
     dm = sub.add_parser("demo", help="the main job: vLLM with kvstrata, cold vs reloaded after a restart")
     dm.add_argument("--model", required=True, help="model folder (examples/make_tiny_model.py builds one)")
     dm.add_argument("--config", default=None, help="kvstrata YAML (default: the embedded default)")
