@@ -64,9 +64,7 @@ class BlockLayout:
         """Copy engine blocks ``block_ids`` into arena rows ``slots`` (all layers); done on return."""
         if not block_ids:
             return
-        n = len(block_ids)
-        rows = torch.tensor(slots, dtype=torch.long)
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        n, rows, idx = self._indices(slots, block_ids)
         if not self._cuda:
             for layer in self.layers:
                 data = layer.blocks[idx].reshape(n, -1).view(torch.uint8)  # gather: one op per layer
@@ -91,9 +89,7 @@ class BlockLayout:
         """
         if not block_ids:
             return
-        n = len(block_ids)
-        rows = torch.tensor(slots, dtype=torch.long)
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        n, rows, idx = self._indices(slots, block_ids)
         if not self._cuda:
             for layer in self.layers:
                 host = arena[rows, layer.offset : layer.offset + layer.nbytes]  # gather from slots
@@ -109,6 +105,11 @@ class BlockLayout:
                 event = torch.cuda.Event()
                 event.record(self._stream)
             self._events[layer.name] = event
+
+    def _indices(self, slots: list[int], block_ids: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
+        assert len(slots) == len(block_ids)
+        return (len(block_ids), torch.tensor(slots, dtype=torch.long),
+                torch.tensor(block_ids, dtype=torch.long, device=self.device))
 
     def _staging_views(self, n: int) -> list[torch.Tensor]:
         """One contiguous pinned ``[n, layer bytes]`` region per layer (reused across calls)."""

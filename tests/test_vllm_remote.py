@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is
 def remote_config(tmp: Path, name: str, remote: dict) -> Path:
     """Each engine gets its own L1 and L2; only the remote tier is shared."""
     lines = ["l1:", "  size: 128MiB", "l2:", f"  path: {tmp / name / 'l2'}", "remote:", "  enabled: true"]
-    lines += [f"  {k}: {json.dumps(v) if isinstance(v, bool) else v}" for k, v in remote.items()]
+    lines += [f"  {k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in remote.items()]
     path = tmp / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -28,14 +28,8 @@ def remote_config(tmp: Path, name: str, remote: dict) -> Path:
 
 @pytest.fixture(params=["redis", "cluster", "fs"])
 def shared(request, tmp_path):
-    if request.param == "redis":
-        with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
-            yield {"backend": "redis", "url": url}
-    elif request.param == "cluster":
-        with redisutil.cluster(tmp_path / "cluster") as url:
-            yield {"backend": "redis", "url": url, "cluster": "true"}
-    else:
-        yield {"backend": "fs", "path": str(tmp_path / "shared")}
+    with redisutil.shared_backend(request.param, tmp_path) as settings:
+        yield settings
 
 
 def test_second_engine_hits_what_the_first_stored_through_the_remote_tier(model, tmp_path, shared):

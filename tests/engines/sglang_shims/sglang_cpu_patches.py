@@ -35,11 +35,6 @@ def _unpinned(cls: type) -> None:
     cls.__init__ = __init__
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A layer buffer as [tokens, bytes-per-token] (any trailing shape)."""
-    return t.reshape(t.shape[0], -1)
-
-
 def transfer_kv_direct(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor],
                        src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int) -> None:
     """Copy token rows ``src_indices`` of every source layer to rows ``dst_indices``."""
@@ -56,8 +51,8 @@ def transfer_kv_per_layer_pf_lf(src_k: torch.Tensor, dst_k: torch.Tensor, src_v:
     """Host page_first ``[size, layers, ...]`` -> device layer ``[size, ...]`` for one layer."""
     src_idx = src_indices.to(torch.long)
     dst_idx = dst_indices.to(torch.long)
-    dst_k[dst_idx] = src_k[src_idx, layer_id].reshape(dst_k[dst_idx].shape)
-    dst_v[dst_idx] = src_v[src_idx, layer_id].reshape(dst_v[dst_idx].shape)
+    dst_k[dst_idx] = src_k[src_idx, layer_id]
+    dst_v[dst_idx] = src_v[src_idx, layer_id]
 
 
 def _backup_page_first(cls: type) -> None:
@@ -72,8 +67,8 @@ def _backup_page_first(cls: type) -> None:
         src_idx = device_indices.to(torch.long)
         dst_idx = host_indices.to(torch.long)
         for layer, (k, v) in enumerate(zip(self.device_k_buffers, self.device_v_buffers)):
-            self.k_buffer[dst_idx, layer] = k[src_idx].reshape(self.k_buffer[dst_idx, layer].shape)
-            self.v_buffer[dst_idx, layer] = v[src_idx].reshape(self.v_buffer[dst_idx, layer].shape)
+            self.k_buffer[dst_idx, layer] = k[src_idx]
+            self.v_buffer[dst_idx, layer] = v[src_idx]
 
     cls.backup_from_device_all_layer = backup_from_device_all_layer
 

