@@ -238,6 +238,8 @@ class _SchedulerSide:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:
+            if request.prompt_token_ids is None:  # prompt embeddings: no tokens to key on
+                return 0, False
             st = self._reqs[request.request_id] = _Pending(
                 request, np.asarray(request.prompt_token_ids, dtype=np.uint32), _request_extra(request))
         with self._lock:
