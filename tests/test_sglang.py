@@ -175,7 +175,9 @@ class Servers:
 def model() -> str:
     out = ROOT / ".cache" / "models" / "tiny"
     if not (out / "config.json").exists():
-        subprocess.run([SGLANG_PY, str(ROOT / "examples" / "make_tiny_model.py"), str(out), "--preset", "tiny"],
+        # Built with this interpreter (./.venv): the SGLang environment's torchvision only imports
+        # with the shims in place.
+        subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), str(out), "--preset", "tiny"],
                        check=True, timeout=600)
     return str(out.relative_to(ROOT))
 

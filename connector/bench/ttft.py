@@ -16,7 +16,10 @@ prefix), so no figure includes first-request overheads.
 - ``lmcache``: LMCache 0.5.6 in multiprocess mode (``LMCacheMPConnector`` and an ``lmcache server``),
   installed on first use into its own folder beside the venv, used only by those subprocesses.
 
-Outputs (``max_tokens`` 8, greedy) are compared across every configuration that ran.
+Outputs (``max_tokens`` 8, greedy) are compared across every configuration that ran. Every engine
+gets the same environment (``engine_env``): block size 128, eager mode, VLLM_CPU_OMP_THREADS_BIND=
+nobind and VLLM_ENABLE_V1_MULTIPROCESSING=1 by default, since LMCacheMPConnector fails in a
+one-process engine; ``--multiprocessing 0`` is faster on 2 cores but leaves LMCache out.
 """
 
 from __future__ import annotations
@@ -200,6 +203,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def run_lmcache(runner: Runner, steps: list[str], start_timeout: float = 180) -> dict:
     target = lmcache_dir(runner.args)
     ensure_lmcache(target)
@@ -213,14 +221,10 @@ def run_lmcache(runner: Runner, steps: list[str], start_timeout: float = 180) ->
                                   env={**runner.env, **env}, start_new_session=True)
     try:
         deadline = time.monotonic() + start_timeout
-        while True:
-            if server.poll() is not None:
-                raise BenchError(f"lmcache server exited ({server.returncode}): {_tail(log_path, 1)[-300:]}")
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                raise BenchError(f"lmcache server not listening after {start_timeout:.0f} s")
+        while not _listening(port):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"lmcache server not listening after {start_timeout:.0f} s (exit code "
+                                 f"{server.poll()}): {_tail(log_path, 1)[-300:]}")
             time.sleep(0.5)
         try:
             return runner.engine("lmcache", lmcache_transfer_config(port), True, steps, env)
@@ -239,6 +243,8 @@ def run(args: argparse.Namespace) -> dict:
     wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
     if unknown := set(wanted) - set(CONFIGS):
         raise BenchError(f"unknown configs: {sorted(unknown)}")
+    if args.rounds < 1 or args.prompt_tokens < 1:
+        raise BenchError("--rounds and --prompt-tokens must be positive")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     prompt, warmup = (make_prompt(args.model, args.prompt_tokens, seed) for seed in (0, 1))
     work = Path(tempfile.mkdtemp(prefix="kvstrata-ttft-"))
@@ -296,7 +302,8 @@ def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours
     out["details"] = {
         "prompt_tokens": prompt_tokens, "block_size": BLOCK_SIZE, "rounds": rounds, "env": env,
         "ours_connector": "ExampleConnector (KVSTRATA_BENCH_OURS)" if ours == "example" else CONNECTOR,
-        **{k: {n: r[k] for n, r in results.items()} for k in keys}, "outputs": outputs,
+        **{k: {n: r[k] for n, r in results.items()} for k in keys},
+        "min_ms": {n: min(r["samples_ms"]) for n, r in results.items()}, "outputs": outputs,
         "outputs_match_native": {n: o == native for n, o in outputs.items()} if native else None,
         "errors": errors, "loadavg_1min_start_end": load}
     return out
@@ -323,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    summary = run(args)
+    try:
+        summary = run(args)
+    except BenchError as e:
+        print(e, file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(summary))
     else:
