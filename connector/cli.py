@@ -118,6 +118,22 @@ def replay(args: argparse.Namespace) -> int:
     return run(load_config(args.config), conversations=args.conversations)
 
 
+@command("bench ttft")
+def bench_ttft(args: argparse.Namespace) -> int:
+    from .bench.ttft import BenchError, print_table, run
+
+    try:
+        summary = run(args)
+    except BenchError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_table(summary)
+    return 0
+
+
 @command("bench remote")
 def bench_remote(args: argparse.Namespace) -> int:
     from .bench.remote import run
@@ -171,6 +187,10 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", action="store_true", help="only the JSON line")
     rp = with_config(sub.add_parser("replay", help="chat traffic through the store alone, two processes"))
     rp.add_argument("--conversations", type=int, default=40)
+    bt = bench.add_parser("ttft", help="TTFT cold vs native, L1, L2, peer and LMCache hits on one engine")
+    from .bench.ttft import add_arguments as ttft_arguments
+
+    ttft_arguments(bt)
     br = bench.add_parser("remote", help="the Redis tier beside raw redis-py, invalidation latency")
     br.add_argument("--url", default=None, help="an existing server (default: start a private one)")
     br.add_argument("--quick", action="store_true")
