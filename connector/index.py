@@ -287,9 +287,30 @@ class BlockIndex:
                 if m.tail:
                     self._tails.setdefault(m.parent, set()).add(m.ntok)
             out: list[int | None] = [self._rows[m.key[:kb]] for m in metas]
-            for i in slow:
-                out[i] = self.commit(metas[i], tier_bit)
+            if slow:  # already indexed: the same block (vectorized: add the tier) or a collision
+                same = self._same(slow, metas, out)
+                rows_same = np.array([out[i] for i, ok in zip(slow, same) if ok], np.int64)
+                if len(rows_same):
+                    self._tiers[rows_same] |= np.uint8(tier_bit)
+                    sums = np.array([metas[i].checksum for i, ok in zip(slow, same) if ok], np.uint64)
+                    self._checksum[rows_same] = np.where(sums != 0, sums, self._checksum[rows_same])
+                for i, ok in zip(slow, same):
+                    if not ok:
+                        out[i] = self.commit(metas[i], tier_bit)
             return out
+
+    def _same(self, idx: list[int], metas: list[EntryMeta], rows: list[int | None]) -> np.ndarray:
+        """Whether each ``metas[i]`` (i in ``idx``) is exactly the block indexed at ``rows[i]``."""
+        r = np.array([rows[i] for i in idx], np.int64)
+        sub = [metas[i] for i in idx]
+        n = len(sub)
+        key = np.frombuffer(b"".join(m.key for m in sub), np.uint64).reshape(n, 2)
+        parent = np.frombuffer(b"".join(m.parent for m in sub), np.uint64).reshape(n, 2)
+        ns = np.array([self._ns_ids.get(m.ns_seed, -1) for m in sub])
+        return ((self._key[r] == key).all(1) & (self._parent[r] == parent).all(1)
+                & (self._fp[r] == np.fromiter((m.fp for m in sub), np.uint64, n))
+                & (self._epoch[r] == np.fromiter((m.epoch for m in sub), np.uint32, n))
+                & (self._ns[r] == ns))
 
     def claim(self, row: int, tier_bit: int) -> bool:
         """Atomically take ``row`` out of a tier for eviction; False if a reader has it pinned."""

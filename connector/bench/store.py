@@ -46,6 +46,20 @@ def _median_time(fn: Callable[[], object], rounds: int, setup: Callable[[], obje
     return statistics.median(times)
 
 
+def _interleaved(res: dict[str, list[float]], a: tuple[str, Callable[[int, int], None]],
+                 b: tuple[str, Callable[[int, int], None]], n: int, chunk: int = 4) -> None:
+    """Run two sides over blocks [0, n) in alternating chunks; append each side's total time."""
+    totals = {a[0]: 0.0, b[0]: 0.0}
+    for k, lo in enumerate(range(0, n, chunk)):
+        hi = min(n, lo + chunk)
+        for name, fn in (a, b) if k % 2 else (b, a):
+            t = time.perf_counter()
+            fn(lo, hi)
+            totals[name] += time.perf_counter() - t
+    for name, total in totals.items():
+        res[name].append(total)
+
+
 def _ns(block_tokens: int) -> Namespace:
     return Namespace("bench", "bench-model", "v1", "bfloat16", "bench", block_tokens)
 
@@ -87,39 +101,34 @@ def _memory_and_disk(block_bytes: int, total: int, rounds: int, tmp: Path) -> di
         assert hit.num_blocks == n
         res["l1_get"].append(_median_time(lambda: store.load(hit, dst), 1))
 
-        def pwrite() -> None:
-            for i in range(n):
+        def pwrite(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
                 fd = os.open(raw_dir / f"{r}-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.pwrite(fd, views[i], 0)
                 os.close(fd)
 
-        def pread() -> None:
-            for i in range(n):
+        def pread(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
                 fd = os.open(raw_dir / f"{r}-{i}", os.O_RDONLY)
                 os.preadv(fd, [outs[i]], 0)
                 os.close(fd)
 
         metas = [store.index.meta(int(row)) for row in store.index.rows_of(chain.keys)]
 
-        def disk_put() -> None:
-            store.write_backing(metas, list(src))
+        def disk_put(lo: int, hi: int) -> None:
+            store.write_backing(metas[lo:hi], list(src[lo:hi]))
 
-        metas_on_disk: list[EntryMeta] = []
-
-        def disk_get() -> None:
-            for i in range(n):
-                if not store.l2.read(metas_on_disk[i], dst[i]):
+        def disk_get(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                if not store.l2.read(metas[i], dst[i]):
                     raise RuntimeError("benchmark block failed to read back")
 
-        # Writes are throttled by the kernel once dirty pages pile up; start each side from a
-        # clean page cache so neither pays for the other's writeback. Alternate which goes first.
-        order = [("pwrite", pwrite), ("disk_put", disk_put)]
-        for name, fn in order if r % 2 else order[::-1]:
-            os.sync()
-            res[name].append(_median_time(fn, 1))
-        metas_on_disk = [store.index.meta(int(row)) for row in store.index.rows_of(chain.keys)]
-        res["pread"].append(_median_time(pread, 1))
-        res["disk_get"].append(_median_time(disk_get, 1))
+        # The disk's state (dirty pages, writeback throttling) changes within a second, so the two
+        # sides alternate every few blocks, first one then the other, and each sums its own time.
+        os.sync()
+        _interleaved(res, ("pwrite", pwrite), ("disk_put", disk_put), n)
+        metas = [store.index.meta(int(row)) for row in store.index.rows_of(chain.keys)]  # checksums
+        _interleaved(res, ("pread", pread), ("disk_get", disk_get), n)
         if not torch.equal(dst, src):
             raise RuntimeError("benchmark read back different bytes")
         for p in raw_dir.iterdir():

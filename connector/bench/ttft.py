@@ -305,6 +305,7 @@ def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours
         **{k: {n: r[k] for n, r in results.items()} for k in keys},
         "min_ms": {n: min(r["samples_ms"]) for n, r in results.items()}, "outputs": outputs,
         "outputs_match_native": {n: o == native for n, o in outputs.items()} if native else None,
+        "outputs_common_prefix": len(os.path.commonprefix(list(outputs.values()))) if outputs else None,
         "errors": errors, "loadavg_1min_start_end": load}
     return out
 
