@@ -175,6 +175,28 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
     )
 
 
+def _remove_dead_arenas() -> None:
+    """Delete arenas of schedulers that died without cleaning up (e.g. a force-killed EngineCore):
+    a file in /dev/shm lives until deleted, and holds its memory until then."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) == 3 and parts[0] == "kvstrata" and parts[1].isdigit():
+            try:
+                os.kill(int(parts[1]), 0)
+            except ProcessLookupError:
+                log.info("kvstrata: removing the arena of dead process %s: %s", parts[1], name)
+                try:
+                    os.unlink(os.path.join(SHM_DIR, name))
+                except OSError:
+                    pass
+            except PermissionError:
+                pass
+
+
 def _request_extra(request: "Request") -> bytes:
     """Per-request identity that is not in the tokens: cache salt, LoRA, multimodal inputs."""
     keys: list[object] = []
@@ -220,6 +242,7 @@ class _SchedulerSide:
         group = kv_cache_config.kv_cache_groups[0]
         rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         slot_bytes = rank_bytes * par.tensor_parallel_size
+        _remove_dead_arenas()
         path = os.path.join(SHM_DIR, f"kvstrata-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
         self.arena = ArenaSpec(path, self.store.l1.num_slots, slot_bytes, rank_bytes)

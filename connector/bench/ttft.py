@@ -18,8 +18,10 @@ prefix), so no figure includes first-request overheads.
 
 Outputs (``max_tokens`` 8, greedy) are compared across every configuration that ran. Every engine
 gets the same environment (``engine_env``): block size 128, eager mode, VLLM_CPU_OMP_THREADS_BIND=
-nobind and VLLM_ENABLE_V1_MULTIPROCESSING=1 by default, since LMCacheMPConnector fails in a
-one-process engine; ``--multiprocessing 0`` is faster on 2 cores but leaves LMCache out.
+nobind, VLLM_ENABLE_V1_MULTIPROCESSING=0 by default: one process per engine, which on 2 cores gives
+medians within a few percent, where EngineCore's busy-polling beside the worker makes them vary
+several-fold. LMCacheMPConnector fails in a one-process engine, so LMCache needs
+``--multiprocessing 1`` (every engine then runs that way).
 """
 
 from __future__ import annotations
@@ -50,9 +52,7 @@ LMCACHE_PACKAGES = ("lmcache==0.5.6", "aiofile", "caio", "aiofiles", "nvtx", "so
 LMCACHE_MAIN = "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
 BLOCK_SIZE = 128  # vLLM on CPU needs a multiple of 32
 CONNECTOR = "StrataConnector"
-# VLLM_ENABLE_V1_MULTIPROCESSING for every run. 0 (one process) is faster on 2 cores (no EngineCore
-# busy-polling beside the worker) but LMCacheMPConnector cannot run that way (see run_lmcache).
-MULTIPROCESSING = 1
+MULTIPROCESSING = 0  # VLLM_ENABLE_V1_MULTIPROCESSING of every engine (see the module docstring)
 
 
 class BenchError(RuntimeError):
