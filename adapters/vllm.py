@@ -20,6 +20,7 @@ to finish, so no block is ever held back from the engine.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -245,6 +246,7 @@ class _SchedulerSide:
         _remove_dead_arenas()
         path = os.path.join(SHM_DIR, f"kvstrata-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
+        atexit.register(self.store.l1.close)  # unlink the arena even if vLLM never calls shutdown
         self.arena = ArenaSpec(path, self.store.l1.num_slots, slot_bytes, rank_bytes)
         self._lock = threading.Lock()  # staging jobs finish on the store's background thread
         self._reqs: dict[str, _Pending] = {}
