@@ -68,6 +68,7 @@ class RedisTier(BlockTier):
         self._p = cfg.key_prefix
         self.client = client if client is not None else connect(cfg)
         self.breaker = Breaker(cfg.breaker, self.name, counters)
+        self._local = threading.local()
 
     def _k(self, key: bytes, kind: str) -> str:
         return f"{self._p}:{{{key.hex()}}}:{kind}"
@@ -152,11 +153,16 @@ class RedisTier(BlockTier):
 
         def publish() -> list[bool]:
             pipe = self.client.pipeline(transaction=False)
+            view = memoryview(self._staging(sum(HEADER_SIZE + m.size for m in metas)))
+            off = 0
             for meta, payload in zip(metas, payloads):
                 header = pack_header(meta)
-                value = b"".join((header, memoryview(payload[: meta.size].numpy())))  # one copy
-                pipe.set(self._k(meta.key, "p"), value)
+                end = off + HEADER_SIZE + meta.size
+                view[off : off + HEADER_SIZE] = header
+                view[off + HEADER_SIZE : end] = memoryview(payload[: meta.size].numpy())
+                pipe.set(self._k(meta.key, "p"), view[off:end])  # sent from the buffer, no copy
                 pipe.set(self._k(meta.key, "i"), header)  # after the payload: the commit
+                off = end
                 if meta.tail:
                     pipe.sadd(self._k(meta.parent, "t"), str(meta.ntok))
             pipe.execute()
@@ -169,6 +175,15 @@ class RedisTier(BlockTier):
 
     def write(self, meta: EntryMeta, payload: torch.Tensor) -> bool:
         return self.write_many([meta], [payload])[0]
+
+    def _staging(self, nbytes: int) -> bytearray:
+        """A per-thread buffer for header + payload values, reused across calls: a fresh bytes
+        object per block would be mmap'ed and page-faulted by malloc every time (measured: it
+        halved throughput against raw SETs of ready-made values)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = bytearray(nbytes)
+        return buf
 
     # ------------------------------------------------------------------ admin
     def delete(self, key: bytes) -> None:
