@@ -42,7 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from kvstrata.config import ConfigError, StrataConfig, load_config
+from kvstrata.config import ConfigError, StrataConfig, load_engine_config
 from kvstrata.keys import BlockChain, Namespace, chain_digests, model_fingerprint, root_key
 from kvstrata.store import BlockStore
 
@@ -64,13 +64,7 @@ LAYOUTS = ("layer_first", "page_first")
 
 def load_strata_config(extra_config: dict[str, Any] | None) -> StrataConfig:
     """kvstrata's part of SGLang's extra config (``config_file`` plus dotted or nested keys)."""
-    ours = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
-    path = ours.pop("config_file", None)
-    try:
-        return load_config(path, ours)
-    except ConfigError as e:
-        log.error("%s", e)  # one clear line in the server log before SGLang's own traceback
-        raise
+    return load_engine_config(extra_config, SGLANG_KEYS)
 
 
 def digests_of(keys: Sequence[str]) -> list[bytes]:

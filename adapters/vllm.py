@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.blockcopy import BlockLayout
-from kvstrata.config import ConfigError, StrataConfig, load_config
+from kvstrata.config import ConfigError, StrataConfig, load_engine_config
 from kvstrata.keys import BlockChain, Namespace, block_key, extra_digest, model_fingerprint, root_key
 from kvstrata.store import BlockStore, Hit, Reservation
 from kvstrata.tiers.memory import attach_shared_arena
@@ -123,16 +123,6 @@ class StrataStats(KVConnectorStats):
 
 
 # ---------------------------------------------------------------------------- configuration
-def _load(vllm_config: "VllmConfig") -> StrataConfig:
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    path = extra.pop("config_file", None)
-    try:
-        return load_config(path, extra)
-    except ConfigError as e:
-        log.error("%s", e)  # one clear line in the engine log before vLLM's own report
-        raise
-
-
 def _kv_dtype(vllm_config: "VllmConfig") -> str:
     cache_dtype = vllm_config.cache_config.cache_dtype
     return str(vllm_config.model_config.dtype if cache_dtype in (None, "auto") else cache_dtype)
@@ -232,7 +222,7 @@ class _Pending:
 
 class _SchedulerSide:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
-        cfg = _load(vllm_config)
+        cfg = load_engine_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         par = vllm_config.parallel_config
         if par.pipeline_parallel_size > 1:
             raise ConfigError("kvstrata: pipeline parallelism is not supported yet (pipeline_parallel_size > 1)")

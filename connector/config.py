@@ -8,6 +8,7 @@ Errors name the file, the key path, what was expected and the value found.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -242,3 +243,17 @@ def load_config(path: str | os.PathLike[str] | None = None,
         raise ConfigError(_explain(source, e)) from None
     _check_writable(source, cfg)
     return cfg
+
+
+def load_engine_config(extra: Mapping[str, Any] | None, engine_keys: frozenset[str] = frozenset()) -> StrataConfig:
+    """kvstrata's part of an engine's extra-config dict: ``config_file`` (else ``$KVSTRATA_CONFIG``,
+    else the embedded default) with the other keys, dotted or nested, as overrides; the engine's
+    own keys are left out. A bad config is logged as one clear line (so it stands out in the
+    engine's log) and raised."""
+    ours = {k: v for k, v in (extra or {}).items() if k not in engine_keys}
+    path = ours.pop("config_file", None)
+    try:
+        return load_config(path, ours)
+    except ConfigError as e:
+        logging.getLogger("kvstrata").error("%s", e)
+        raise

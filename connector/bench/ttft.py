@@ -324,24 +324,3 @@ def print_table(summary: dict) -> None:
     ratios = ", ".join(f"{a}/{b} {summary[f'{a}_over_{b}']}" for a, b in RATIOS)
     print(f"hit_fraction {summary['hit_fraction']}, outputs_identical {summary['outputs_identical']}")
     print(f"ratios: {ratios}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvstrata bench ttft", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        summary = run(args)
-    except BenchError as e:
-        print(e, file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print_table(summary)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

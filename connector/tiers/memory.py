@@ -15,7 +15,6 @@ import os
 import threading
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from ..index import EntryMeta
