@@ -29,8 +29,12 @@ def block(kv: torch.Tensor, b: int) -> torch.Tensor:
     return kv.movedim(block_dim(tuple(kv.shape), NUM_BLOCKS), 0)[b]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_save_then_load_moves_exactly_the_chosen_blocks(layout, device="cpu"):
+def test_save_then_load_moves_exactly_the_chosen_blocks(layout, device):
     src = make_caches(LAYOUTS[layout], device, seed=1)
     dst = make_caches(LAYOUTS[layout], device, seed=2)
     before = {k: v.clone() for k, v in dst.items()}
@@ -62,9 +66,3 @@ def test_arena_slot_is_layers_concatenated_in_order():
 def test_block_dim_errors_name_the_shape():
     with pytest.raises(ValueError, match=r"num_blocks=5.*\(2, 3\)"):
         block_dim((2, 3), 5)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_save_then_load_on_cuda(layout):
-    test_save_then_load_moves_exactly_the_chosen_blocks(layout, device="cuda")
