@@ -120,8 +120,12 @@ def replay(args: argparse.Namespace) -> int:
 
 @command("bench ttft")
 def bench_ttft(args: argparse.Namespace) -> int:
-    from .bench.ttft import BenchError, print_table, run
+    from .bench.ttft import BenchError
 
+    if args.engine == "sglang":
+        from .bench.ttft_sglang import print_table, run
+    else:
+        from .bench.ttft import print_table, run
     try:
         summary = run(args)
     except BenchError as e:
@@ -132,6 +136,20 @@ def bench_ttft(args: argparse.Namespace) -> int:
     else:
         print_table(summary)
     return 0
+
+
+@command("bench serve")
+def bench_serve(args: argparse.Namespace) -> int:
+    from .bench.serve import run
+
+    return run(args)
+
+
+@command("estimate")
+def estimate(args: argparse.Namespace) -> int:
+    from .estimate import run
+
+    return run(args)
 
 
 @command("bench remote")
@@ -191,6 +209,9 @@ def _parser() -> argparse.ArgumentParser:
     from .bench.ttft import add_arguments as ttft_arguments
 
     ttft_arguments(bt)
+    from .bench.serve import add_arguments as serve_arguments
+
+    serve_arguments(bench.add_parser("serve", help="trace replay against real servers, beside the baselines"))
     br = bench.add_parser("remote", help="the Redis tier beside raw redis-py, invalidation latency")
     br.add_argument("--url", default=None, help="an existing server (default: start a private one)")
     br.add_argument("--quick", action="store_true")
@@ -205,6 +226,9 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--requests", type=int, default=0, help="replay only this many requests")
     sm.add_argument("--start", type=int, default=0)
     sm.add_argument("--json", action="store_true")
+    from .estimate import add_arguments as estimate_arguments
+
+    estimate_arguments(sub.add_parser("estimate", help="predicted TTFT and throughput gains from measured inputs"))
     dm = sub.add_parser("demo", help="the main job: vLLM with kvstrata, cold vs reloaded after a restart")
     dm.add_argument("--model", required=True, help="model folder (examples/make_tiny_model.py builds one)")
     dm.add_argument("--config", default=None, help="kvstrata YAML (default: the embedded default)")

@@ -77,9 +77,9 @@ def lmcache_transfer_config(port: int) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=["vllm"], default="vllm")
+    parser.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     parser.add_argument("--model", required=True, help="local model folder")
-    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="default 1500 (vllm), 3000 (sglang)")
     parser.add_argument("--rounds", type=int, default=5, help="measurements per configuration")
     parser.add_argument("--output-tokens", type=int, default=8, help="greedy tokens compared")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list, subset of %(default)s")
@@ -243,9 +243,10 @@ def run(args: argparse.Namespace) -> dict:
     wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
     if unknown := set(wanted) - set(CONFIGS):
         raise BenchError(f"unknown configs: {sorted(unknown)}")
-    if args.rounds < 1 or args.prompt_tokens < 1:
+    if args.rounds < 1 or (args.prompt_tokens is not None and args.prompt_tokens < 1):
         raise BenchError("--rounds and --prompt-tokens must be positive")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.prompt_tokens = args.prompt_tokens or 1500
     prompt, warmup = (make_prompt(args.model, args.prompt_tokens, seed) for seed in (0, 1))
     work = Path(tempfile.mkdtemp(prefix="kvstrata-ttft-"))
     runner, n = Runner(args, work, prompt, warmup), args.rounds
