@@ -23,8 +23,8 @@ core() {
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   # torch first, pinned to the CPU build the engines pin; an unpinned torch pulls a CUDA build.
   pip_ install torch==2.13.0
-  pip_ install -e '.[dev,redis]'
-  "$VENV/bin/python" -c "import kvstrata, torch, xxhash, pydantic, yaml, rich, pytest, hypothesis"
+  pip_ install -e '.[dev,redis,bench]'
+  "$VENV/bin/python" -c "import kvstrata, torch, xxhash, pydantic, yaml, rich, pytest, hypothesis, matplotlib, tqdm"
   mark_done core
 }
 
