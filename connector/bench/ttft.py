@@ -83,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="measurements per configuration")
     parser.add_argument("--output-tokens", type=int, default=8, help="greedy tokens compared")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list, subset of %(default)s")
+    parser.add_argument("--dtype", default="auto", help="model dtype of every engine (default: the model's)")
     parser.add_argument("--kv-space-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE (default 1, 2 over 200 MB)")
     parser.add_argument("--multiprocessing", type=int, choices=[0, 1], default=MULTIPROCESSING,
                         help="VLLM_ENABLE_V1_MULTIPROCESSING for every engine (default %(default)s)")
@@ -129,7 +130,8 @@ class Runner:
     def __init__(self, args: argparse.Namespace, work: Path, prompt: list[int], warmup: list[int]):
         self.args, self.work, self.env = args, work, {**os.environ, **engine_env(args)}
         self.base = {"model": str(Path(args.model).resolve()), "prompt": prompt, "warmup": warmup,
-                     "block_size": BLOCK_SIZE, "output_tokens": args.output_tokens, "settle_s": 1.0}
+                     "block_size": BLOCK_SIZE, "output_tokens": args.output_tokens, "settle_s": 1.0,
+                     "dtype": getattr(args, "dtype", "auto")}
 
     def engine(self, name: str, kv: dict | None, prefix_caching: bool, steps: list[str],
                extra_env: dict | None = None) -> dict:

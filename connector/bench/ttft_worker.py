@@ -25,7 +25,7 @@ def main(spec_path: str) -> None:
 
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec["block_size"],
-              enable_prefix_caching=spec["prefix_caching"], seed=0,
+              enable_prefix_caching=spec["prefix_caching"], seed=0, dtype=spec.get("dtype", "auto"),
               kv_transfer_config=spec["kv_transfer_config"])
     result = {"engine_start_s": round(time.perf_counter() - t0, 2), "samples_ms": [], "cpu_ms": [],
               "cached_tokens": [], "output": None, "output_cached_tokens": None, "other_ms": {}}
