@@ -41,15 +41,19 @@ DEFAULT_MFU = 0.4  # prefill's usual share of peak dense FLOP/s on large GPUs: a
 DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "float16": 2, "half": 2, "bf16": 2,
                "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
                "int8": 1}
-# ``tokens_per_tier`` keys of ``bench serve`` (vLLM's CacheHitSource values and kvstrata tier names).
+# ``tokens_per_tier`` keys of ``bench serve``: vLLM's CacheHitSource values (kvstrata's vLLM adapter
+# reports ``host`` for L1 and ``disk`` for blocks staged from its backing tier), SGLang's
+# ``cached_tokens_details`` (``storage``: the kvstrata backend) and kvstrata's tier names.
 TIER_ALIASES = {"device": "device", "native": "device", "gpu": "device", "local_cache_hit": "device",
                 "l1": "l1", "host": "l1", "cpu": "l1", "l2": "l2", "disk": "l2", "l3": "l3",
                 "remote": "l3", "redis": "l3", "shared": "l3", "p2p": "l3",
-                "external_unspecified": "l1", "external_kv_transfer": "l1"}
+                "external_unspecified": "l1", "external_kv_transfer": "l1", "storage": "l1"}
+UNSURE_TIER = ("external_unspecified", "external_kv_transfer", "storage")  # counted as L1: optimistic
+# Mean per request under these names; ``bench serve`` gives totals (``settings.prompt_tokens`` over
+# ``settings.requests``) and output tokens as throughput_tok_s / throughput_req_s instead.
 WORKLOAD_KEYS = {"prompt_tokens": ("mean_prompt_tokens", "prompt_tokens_mean", "avg_prompt_tokens",
-                                   "mean_input_tokens", "prompt_tokens", "input_tokens"),
-                 "output_tokens": ("mean_output_tokens", "output_tokens_mean", "avg_output_tokens",
-                                   "output_tokens", "max_tokens"),
+                                   "mean_input_tokens"),
+                 "output_tokens": ("mean_output_tokens", "output_tokens_mean", "avg_output_tokens"),
                  "block_tokens": ("block_tokens", "block_size")}
 
 
@@ -371,12 +375,21 @@ def _without_device(tiers: dict[str, float], device: float) -> dict[str, float]:
 
 
 def _workload_value(measured: dict[str, Any], name: str) -> tuple[float, str] | None:
-    for where in ("", *[k for k, v in measured.items() if isinstance(v, dict) and k != "results"]):
-        obj = measured[where] if where else measured
+    """A workload figure of ``bench serve`` output and the key(s) it came from, if present."""
+    dicts = [("", measured), *[(k + ".", v) for k, v in measured.items() if isinstance(v, dict)]]
+    for where, obj in dicts:
         for key in WORKLOAD_KEYS[name]:
-            v = obj.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-                return float(v), f"{where}.{key}" if where else key
+            if (v := _num(obj, key)) is not None and v > 0:
+                return v, where + key
+    for where, obj in dicts:
+        total, n = _num(obj, "prompt_tokens"), _num(obj, "requests")
+        if name == "prompt_tokens" and total and n:
+            return total / n, f"{where}prompt_tokens / {where}requests = {total:g} / {n:g}"
+    results = [r for r in measured.get("results", []) if isinstance(r, dict)]
+    for res in sorted(results, key=lambda r: r.get("config") != "baseline"):
+        tok, req = _num(res, "throughput_tok_s"), _num(res, "throughput_req_s")
+        if name == "output_tokens" and tok and req:
+            return tok / req, f"{res.get('config')} throughput_tok_s / throughput_req_s = {tok:g} / {req:g}"
     return None
 
 
@@ -391,6 +404,9 @@ def _hits_of_result(res: dict[str, Any]) -> tuple[Hits, str] | None:
     fallback = None if rate is None else (Hits(l1=rate), "hit_rate (all counted as L1)")
     if not isinstance(tokens, dict) or not tokens:
         return fallback
+    # A configuration whose backing tier is the shared one (bench serve's strata-remote) stages
+    # its ``disk`` blocks from there.
+    remote = "remote" in str(res.get("config", ""))
     cached: dict[str, float] = {}
     total, as_l1, ignored = None, [], []
     for key, v in tokens.items():
@@ -399,20 +415,21 @@ def _hits_of_result(res: dict[str, Any]) -> tuple[Hits, str] | None:
         elif key in ("prompt", "total", "prompt_tokens"):
             total = float(v)
         elif key.lower() in TIER_ALIASES:
-            tier = TIER_ALIASES[key.lower()]
+            tier = "l3" if remote and key.lower() == "disk" else TIER_ALIASES[key.lower()]
             cached[tier] = cached.get(tier, 0.0) + float(v)
-            if key.lower().startswith("external") and v:
+            if key.lower() in UNSURE_TIER and v:
                 as_l1.append(key)
         elif key != "computed":
             ignored.append(key)
     if total is None:
         computed = _num(tokens, "computed")
-        total = sum(cached.values()) + computed if computed is not None else (
-            sum(cached.values()) / rate if rate else None)
+        total = (sum(cached.values()) + computed if computed is not None else _num(res, "prompt_tokens")
+                 or (sum(cached.values()) / rate if rate else None))
     if not total:
         return fallback
-    note = "".join(f" ({', '.join(keys)} {what})" for keys, what in ((as_l1, "counted as L1"), (ignored, "ignored"))
-                   if keys)
+    notes = [(as_l1, "counted as L1"), (ignored, "ignored"), (["disk"] if remote and "disk" in tokens else [],
+                                                              "counted as L3: staged from the shared tier")]
+    note = "".join(f" ({', '.join(keys)} {what})" for keys, what in notes if keys)
     return Hits(**{k: v / total for k, v in cached.items()}), "tokens_per_tier" + note
 
 
@@ -768,7 +785,7 @@ def _cell(d: dict[str, Any] | None) -> str:
     """``measured / predicted / error%``, n/a for what is missing."""
     if not d:
         return "n/a"
-    err = "n/a" if d["error"] is None else f"{d['error'] * 100:+.1f}%"
+    err = "n/a" if d["error"] is None else f"{round(d['error'] * 100, 1) + 0.0:+.1f}%"
     return " / ".join("n/a" if v is None else f"{v:.4g}" for v in (d["measured"], d["predicted"])) + f" / {err}"
 
 

@@ -260,3 +260,32 @@ def test_measured_baseline_calibrates_decode_and_device_hits(tmp_path, capsys):
 def test_last_json_line_wins(tmp_path):
     path = write(tmp_path, "x.json", '{"a": 1}\n{"a": 2}\nnoise')
     assert load_json(path) == {"a": 2}
+
+
+def test_bench_serve_summary_format(tmp_path, capsys):
+    """Scenario: the summary line ``bench serve --json`` prints (totals, vLLM's sources, strata-remote)."""
+    def result(config: str, ttft: float, req_s: float, tiers: dict) -> dict:
+        return {"config": config, "concurrency": 4, "ttft_p50_ms": ttft, "ttft_p90_ms": ttft * 2, "ttft_p99_ms": None,
+                "e2e_p50_ms": ttft * 3, "throughput_req_s": req_s, "throughput_tok_s": req_s * 20,
+                "hit_rate": sum(tiers.values()) / 40_000, "tokens_per_tier": tiers, "errors": 0, "requests": 40,
+                "prompt_tokens": 40_000, "cached_tokens": sum(tiers.values()), "wall_s": 40 / req_s}
+    summary = {"results": [result("baseline", 2000, 0.5, {"device": 4000}),
+                           result("strata-l1l2", 1000, 0.9, {"device": 4000, "host": 12000, "disk": 4000}),
+                           result("strata-remote", 1100, 0.8, {"device": 4000, "disk": 16000})],
+               "targets": [], "simulate_unbounded_hit_rate": 0.5,
+               "settings": {"engine": "vllm", "requests": 40, "block_tokens": 64, "prompt_tokens": 40_000,
+                            "max_output_tokens": 32}}
+    measured = write(tmp_path, "serve.json", json.dumps(summary), prefix="| config | ... |\n")
+    rc, out, _ = estimate(capsys, "--prefill-tok-s", "1000", "--kv-bytes-per-token", "1000", "--l1-gbps", "1",
+                          "--l2-gbps", "1", "--l3-gbps", "0.5", "--measured", measured)
+    assert rc == 0
+    inputs = out["inputs"]
+    assert inputs["prompt_tokens"]["value"] == 1000  # a total over requests, not a mean
+    assert "settings.prompt_tokens / settings.requests" in inputs["prompt_tokens"]["source"]
+    assert inputs["output_tokens"]["value"] == 20 and inputs["block_tokens"]["value"] == 64
+    assert inputs["hit_device"]["value"] == 0.1
+    base, l1l2, remote = out["comparison"]
+    assert l1l2["hits"] == {"device": 0.1, "l1": 0.3, "l2": 0.1, "l3": 0.0}
+    assert remote["hits"] == {"device": 0.1, "l1": 0.0, "l2": 0.0, "l3": 0.4}
+    assert "counted as L3" in remote["hits_source"]
+    assert remote["throughput_gain"]["measured"] == pytest.approx(1.6)
