@@ -138,6 +138,13 @@ def bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("bench decode")
+def bench_decode(args: argparse.Namespace) -> int:
+    from .bench.decode import run
+
+    return run(args)
+
+
 @command("bench serve")
 def bench_serve(args: argparse.Namespace) -> int:
     from .bench.serve import run
@@ -209,6 +216,9 @@ def _parser() -> argparse.ArgumentParser:
     from .bench.ttft import add_arguments as ttft_arguments
 
     ttft_arguments(bt)
+    from .bench.decode import add_arguments as decode_arguments
+
+    decode_arguments(bench.add_parser("decode", help="decode throughput with a slow disk tier, beside no connector"))
     from .bench.serve import add_arguments as serve_arguments
 
     serve_arguments(bench.add_parser("serve", help="trace replay against real servers, beside the baselines"))
