@@ -5,8 +5,9 @@ EngineCore, one per worker beside the KV cache. The split follows vLLM's own off
 
 - Scheduler side owns the ``BlockStore`` (index, L1 bookkeeping, disk tier, epochs). Its L1 arena
   is a file in ``/dev/shm`` so that workers on this host can map it. Lookups answer from the index
-  only; blocks found only on disk are staged into L1 in the background first (the scheduler is told
-  "ask again later" meanwhile), so that every promised block is a memory copy away and pinned.
+  only; blocks found only on disk are first read into L1: inline when small (``l1.stage_inline_bytes``),
+  else in the background (the scheduler is told "ask again later" meanwhile), so that every promised
+  block is a memory copy away and pinned.
 - Worker side maps the arena and copies whole blocks between the arena and the KV cache with one
   batched index operation per layer (``kvstrata.blockcopy``). A slot holds one vLLM block for all
   layers of all tensor-parallel ranks (rank r writes its own region).
@@ -238,6 +239,7 @@ class _SchedulerSide:
         self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
         atexit.register(self.store.l1.close)  # unlink the arena even if vLLM never calls shutdown
         self.arena = ArenaSpec(path, self.store.l1.num_slots, slot_bytes, rank_bytes)
+        self._inline_bytes = cfg.l1.stage_inline_bytes
         self._lock = threading.Lock()  # staging jobs finish on the store's background thread
         self._reqs: dict[str, _Pending] = {}
         self._loads: list[CopyOp] = []
@@ -272,8 +274,9 @@ class _SchedulerSide:
         slots = self.store.l1_slots(hit)
         first = num_computed_tokens // self.block_size
         if any(s is None for s in slots[first:]) and not st.staged:
-            self._stage(st, hit, first)
-            return None, False
+            if not self._stage(st, hit, first):
+                return None, False
+            slots = self.store.l1_slots(hit)
         resident = first
         while resident < n_blocks and slots[resident] is not None:
             resident += 1
@@ -286,8 +289,15 @@ class _SchedulerSide:
         st.hit, st.slots, st.lease = hit, slots[:resident], self.store.index.pin(rows)
         return usable - num_computed_tokens, False
 
-    def _stage(self, st: _Pending, hit: Hit, first: int) -> None:
+    def _stage(self, st: _Pending, hit: Hit, first: int) -> bool:
+        """Bring the hit's blocks into L1. Returns True when done inline (small hits): the caller
+        can promise them now; False when a background job was started (ask again later)."""
         missing = sum(1 for s in self.store.l1_slots(hit)[first:] if s is None)
+        if missing * self.arena.slot_bytes <= self._inline_bytes:
+            # Inline: a background thread would fight this busy scheduler loop for the GIL.
+            self.store.stage(hit)
+            st.staged, st.from_disk = True, missing
+            return True
 
         def job() -> None:
             self.store.stage(hit)
@@ -299,6 +309,7 @@ class _SchedulerSide:
         if not self.store.submit(missing, job):
             with self._lock:
                 st.staging, st.staged = False, True  # queue full: serve what L1 has
+        return False
 
     def _unpin(self, st: _Pending) -> None:
         if st.lease is not None:

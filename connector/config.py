@@ -66,6 +66,10 @@ class L1Config(_Model):
     """CPU arena size. One preallocated tensor of fixed-size slots (pages touched lazily)."""
     pin_memory: bool = True
     """Page-lock the arena for fast device copies (only when CUDA is present)."""
+    stage_inline_bytes: Size = 64 * 2**20
+    """A hit on the disk or shared tier up to this size is read into L1 inside the engine's prefix
+    lookup (milliseconds, no thread hand-off); a larger one is staged in the background while the
+    engine runs other requests, and the engine is asked to look again. 0: always background."""
 
     @field_validator("size")
     @classmethod

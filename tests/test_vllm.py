@@ -94,8 +94,13 @@ def test_prompts_sharing_a_prefix_hit_only_the_shared_blocks(model, baseline, tm
     assert a["tokens"] == baseline["fork_a"] and b["tokens"] == baseline["fork_b"]
 
 
-def test_second_engine_process_hits_what_the_first_stored(model, baseline, tmp_path):
+@pytest.mark.parametrize("staging", ["inline", "background"])
+def test_second_engine_process_hits_what_the_first_stored(model, baseline, tmp_path, staging):
+    """Disk hits are read into L1 inside the lookup when small, else by a background job while
+    vLLM is told to ask again (forced here with l1.stage_inline_bytes: 0)."""
     cfg = config(tmp_path)
+    if staging == "background":
+        cfg.write_text(cfg.read_text().replace("l1:\n", "l1:\n  stage_inline_bytes: 0\n"))
     run(model, tmp_path, cfg, [gen(LONG)])
     out = run(model, tmp_path, cfg, [gen(LONG), {"op": "counters"}])
     assert out[0]["cached"] == len(LONG) - 1
