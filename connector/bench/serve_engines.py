@@ -1,0 +1,259 @@
+"""The servers ``kvstrata bench serve`` compares: one engine process per (configuration, run).
+
+Every configuration of one engine gets the same command line (block/page size, device KV cache
+size, context length, dtype, seed) and the same environment; only the KV connector or storage
+backend differs. Each run gets fresh store folders under its own work folder, so no run warms
+another. ``Endpoint`` is the small interface the replay uses: ``send`` one streamed request, and
+``tier_counts`` (vLLM's ``/metrics``; SGLang reports tiers per request instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
+
+from ..serving import Server, cached_by_source, free_port, vllm_command
+from . import ttft
+
+CONFIGS = ("baseline", "strata-l1l2", "strata-remote", "peer", "lmcache")
+REDIS_MEMORY = "4gb"
+
+
+class Settings(NamedTuple):
+    engine: str  # vllm | sglang
+    model: str
+    block_tokens: int  # vLLM block size / SGLang page size
+    device_tokens: int  # the device KV cache, in tokens (a multiple of block_tokens)
+    max_model_len: int
+    dtype: str
+    l1_size: str
+    redis_url: str | None
+    lmcache_dir: Path
+    sglang_python: str | None
+    start_timeout: float
+    request_timeout: float
+
+
+class Result(NamedTuple):
+    ttft_ms: float
+    e2e_ms: float
+    output_tokens: int
+    cached: dict[str, int]  # tokens by source; "total" is every cached prompt token
+
+
+@dataclass
+class Endpoint:
+    engine: str
+    url: str
+    model: str
+    timeout: float
+
+    def send(self, prompt: list[int], max_tokens: int) -> Result:
+        """One greedy streamed request (EOS ignored, so every config does the same work)."""
+        if self.engine == "vllm":
+            path = "/v1/completions"
+            body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                                    "temperature": 0, "ignore_eos": True, "stream": True,
+                                    "return_token_ids": True,  # empty-text tokens still stream
+                                    "stream_options": {"include_usage": True}}
+        else:
+            path = "/generate"
+            body = {"input_ids": prompt, "stream": True,
+                    "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        ttft, out, cached = None, 0, {}
+        with urllib.request.urlopen(req, timeout=self.timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if self.engine == "vllm":
+                    got = any(c.get("text") or c.get("token_ids") for c in chunk.get("choices", []))
+                    usage = chunk.get("usage") or {}
+                    if usage:
+                        out = usage.get("completion_tokens", out)
+                        details = usage.get("prompt_tokens_details") or {}
+                        cached = {"total": int(details.get("cached_tokens") or 0)}
+                else:
+                    meta = chunk.get("meta_info") or {}
+                    got = bool(chunk.get("output_ids")) or meta.get("completion_tokens", 0) > 0
+                    out = meta.get("completion_tokens", out)
+                    details = meta.get("cached_tokens_details") or {}
+                    cached = {k: int(v) for k, v in details.items() if isinstance(v, (int, float))}
+                    cached["total"] = int(meta.get("cached_tokens") or 0)
+                if got and ttft is None:
+                    ttft = (time.perf_counter() - start) * 1000
+        e2e = (time.perf_counter() - start) * 1000
+        if ttft is None:
+            raise RuntimeError("no output token streamed")
+        return Result(ttft, e2e, int(out), cached)
+
+    def tier_counts(self) -> dict[str, float]:
+        """Cumulative cached prompt tokens per source (vLLM); empty for SGLang."""
+        if self.engine != "vllm":
+            return {}
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return cached_by_source(r.read().decode())
+
+
+def _strata_yaml(path: Path, s: Settings, folder: Path, remote: str | None) -> Path:
+    lines = ["l1:", f"  size: {s.l1_size}", "l2:"]
+    if remote:  # the shared tier stands in for the disk tier
+        lines += ["  enabled: false", "remote:", "  enabled: true", "  backend: redis", f"  url: {remote}"]
+    else:
+        lines += [f"  path: {folder / 'l2'}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@contextlib.contextmanager
+def _redis(s: Settings, folder: Path) -> Iterator[str]:
+    """``--redis-url`` (flushed first), else a private redis-server on a free loopback port."""
+    if s.redis_url:
+        import redis
+
+        redis.Redis.from_url(s.redis_url).flushdb()
+        yield s.redis_url
+        return
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("strata-remote needs --redis-url or redis-server on PATH")
+    port = free_port()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "redis.log", "wb") as out:
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", str(folder), "--maxmemory", REDIS_MEMORY,
+                                 "--maxmemory-policy", "allkeys-lru"],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ttft._listening(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start (see {folder / 'redis.log'})")
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def _lmcache_server(s: Settings, folder: Path, env: dict[str, str]) -> Iterator[int]:
+    """LMCache's own server (multiprocess mode, CPU tier the size of kvstrata's L1)."""
+    ttft.ensure_lmcache(s.lmcache_dir)
+    port = free_port()
+    gib = max(1, round(_bytes(s.l1_size) / (1 << 30)))
+    cmd = [sys.executable, "-c", ttft.LMCACHE_MAIN, "server", "--host", "localhost", "--port", str(port),
+           "--chunk-size", str(LMCACHE_CHUNK), "--l1-size-gb", str(gib), "--eviction-policy", "LRU",
+           "--supported-transfer-mode", "auto"]
+    with open(folder / "lmcache-server.log", "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **env}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not ttft._listening(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"lmcache server not listening (exit code {proc.poll()}); "
+                                   f"see {folder / 'lmcache-server.log'}")
+            time.sleep(0.5)
+        yield port
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+LMCACHE_CHUNK = 256  # LMCache's default chunk; see README of the bench for why not the block size
+
+
+def _bytes(size: str) -> int:
+    from ..config import parse_size
+
+    return parse_size(size)
+
+
+def common_env(s: Settings) -> dict[str, str]:
+    """The environment every server of a bench gets (vLLM's CPU settings, telemetry off)."""
+    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "LMCACHE_TRACK_USAGE": "false"}
+
+
+@contextlib.contextmanager
+def launch(s: Settings, config: str, folder: Path) -> Iterator[Endpoint]:
+    """A healthy server for ``config`` with its stores under ``folder``; stopped on exit."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        if s.engine == "vllm":
+            yield _vllm(s, config, folder, stack)
+        else:
+            yield _sglang(s, config, folder, stack)
+
+
+def _vllm(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -> Endpoint:
+    env = common_env(s)
+    kv: dict[str, Any] | None = None
+    if config == "strata-l1l2":
+        kv = ttft.strata_transfer_config(_strata_yaml(folder / "kvstrata.yaml", s, folder, None))
+    elif config == "strata-remote":
+        url = stack.enter_context(_redis(s, folder / "redis"))
+        kv = ttft.strata_transfer_config(_strata_yaml(folder / "kvstrata.yaml", s, folder, url))
+    elif config == "peer":
+        kv = ttft.example_transfer_config(folder / "peer")
+    elif config == "lmcache":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(s.lmcache_dir), os.environ.get("PYTHONPATH")]))
+        kv = ttft.lmcache_transfer_config(stack.enter_context(_lmcache_server(s, folder, env)))
+    elif config != "baseline":
+        raise ValueError(f"unknown config {config!r}")
+    port = free_port()
+    extra = ["--num-gpu-blocks-override", str(s.device_tokens // s.block_tokens),
+             "--max-model-len", str(s.max_model_len), "--dtype", s.dtype, "--seed", "0"]
+    cmd = vllm_command(s.model, port, kv, block_size=s.block_tokens, extra=extra)
+    stack.enter_context(Server(cmd, folder / "server.log", port, env=env, timeout=s.start_timeout))
+    return Endpoint("vllm", f"http://127.0.0.1:{port}", s.model, s.request_timeout)
+
+
+def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -> Endpoint:
+    from .. import sglang_server as sg
+
+    python = sg.find_python(s.sglang_python)
+    cuda = sg.python_has_cuda(python)
+    env = common_env(s)
+    if not cuda:
+        env.update(sg.cpu_env(sg.ROOT / ".cache" / "sglang"))
+    args = ["--model-path", s.model, "--page-size", str(s.block_tokens), "--context-length",
+            str(s.max_model_len), "--dtype", s.dtype, "--random-seed", "0"]
+    args += sg.cpu_flags(s.device_tokens) if not cuda else ["--max-total-tokens", str(s.device_tokens)]
+    if config != "baseline":
+        args += ["--enable-hierarchical-cache", "--hicache-ratio", "2",
+                 "--hicache-storage-prefetch-policy", "wait_complete"]
+    if config in ("strata-l1l2", "strata-remote"):
+        url = stack.enter_context(_redis(s, folder / "redis")) if config == "strata-remote" else None
+        kvstrata = _strata_yaml(folder / "kvstrata.yaml", s, folder, url)
+        plugin = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
+                  "class_name": "StrataStorage", "interface_v1": 1, "hicache_storage_pass_prefix_keys": True,
+                  "config_file": str(kvstrata)}
+        (folder / "sglang.json").write_text(json.dumps(plugin))
+        args += ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
+                 f"@{folder / 'sglang.json'}"]
+    elif config == "peer":
+        env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(folder / "peer")
+        args += ["--hicache-storage-backend", "file"]
+    elif config != "baseline":
+        raise ValueError(f"config {config!r} is not available with SGLang")
+    server = stack.enter_context(sg.SGLangServer(python, args, folder / "server.log", env,
+                                                 start_timeout=s.start_timeout,
+                                                 request_timeout=s.request_timeout))
+    return Endpoint("sglang", server.url, s.model, s.request_timeout)

@@ -1,0 +1,167 @@
+"""``kvstrata bench serve``: the trace-to-requests mapping, the replay's ordering, and one real run.
+
+The unit tests need no engine. The smoke test runs the command on vLLM with the tiny model
+(two servers, a few seconds of requests) and checks its JSON, its plot and that kvstrata hits.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstrata.bench import serve
+from kvstrata.bench.serve_engines import Result
+from kvstrata.bench.serve_workload import Scaling, block_tokens, build_turns, select, simulate_reference
+from kvstrata.trace import Request, load_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "connector" / "data" / "conversation_sample.jsonl"
+ALLOWED = np.arange(10, 3000)
+
+
+def req(ts: int, ids: tuple[int, ...], inp: int | None = None, out: int = 100) -> Request:
+    return Request(ts, inp if inp is not None else 512 * len(ids), out, ids)
+
+
+def test_same_hash_id_gives_same_tokens_and_different_ids_differ():
+    a, b = block_tokens(7, 64, ALLOWED), block_tokens(7, 64, ALLOWED)
+    assert np.array_equal(a, b) and len(a) == 64
+    assert not np.array_equal(a, block_tokens(8, 64, ALLOWED))
+    assert set(a.tolist()) <= set(ALLOWED.tolist())
+
+
+def test_prompts_share_exactly_their_common_hash_prefix():
+    turns = build_turns([req(0, (1, 2, 3)), req(5, (1, 2, 4, 5)), req(9, (9, 2, 3))], Scaling(64), ALLOWED)
+    p0, p1, p2 = (t.prompt for t in turns)
+    assert p0[:128] == p1[:128] and p0[128:192] != p1[128:192]
+    assert p0[:64] != p2[:64] and p0[64:192] == p2[64:192]  # same ids at another position: same tokens
+    assert [t.session for t in turns] == [0, 0, 1]
+    assert turns[1].arrival_s == 0.005
+
+
+def test_lengths_are_scaled_by_block_tokens_and_capped():
+    s = Scaling(block_tokens=64, max_prompt=200, max_output=10)
+    turns = build_turns([req(0, (1, 2), inp=1000, out=40), req(0, (3, 4, 5, 6, 7), inp=2500, out=400)], s, ALLOWED)
+    assert len(turns[0].prompt) == 125 and turns[0].max_tokens == 5  # 1000/8, 40/8
+    assert len(turns[1].prompt) == 200 and turns[1].max_tokens == 10  # capped
+    assert turns[0].hash_ids == (1,) and turns[1].hash_ids == (3, 4, 5)  # full blocks only
+    assert len(build_turns([req(0, (1, 2), inp=1000)], Scaling(32), ALLOWED)[0].prompt) == 62
+
+
+def test_sampled_conversations_are_whole_ordered_and_seeded():
+    trace = load_trace(SAMPLE)
+    picked = select(trace, 3, None, 0, seed=0)
+    sessions = {r.session for r in picked}
+    assert len(sessions) == 3
+    assert picked == [r for r in trace if r.session in sessions]  # every turn, in trace order
+    assert all(sum(r.session == s for r in picked) >= 2 for s in sessions)  # multi-turn only
+    assert select(trace, 3, None, 0, seed=0) == picked
+    assert any(select(trace, 3, None, 0, seed=s) != picked for s in (1, 2, 3))
+    assert select(trace, None, 5, 10) == trace[10:15]
+
+
+def test_simulate_reference_counts_full_blocks_served_by_an_unbounded_cache():
+    turns = build_turns([req(0, (1, 2)), req(1, (1, 2, 3)), req(2, (4,))], Scaling(64), ALLOWED)
+    # 128 + 192 + 64 prompt tokens; the second request finds blocks 1 and 2 (128 tokens)
+    assert simulate_reference(turns, 64) == pytest.approx(128 / 384)
+
+
+class FakeEndpoint:
+    """Records overlap: no conversation may have two turns in flight."""
+
+    def __init__(self, fail: set[int] = frozenset()) -> None:
+        self.lock, self.inflight, self.peak, self.order = threading.Lock(), set(), 0, []
+        self.fail = fail
+
+    def send(self, prompt: list[int], max_tokens: int) -> Result:
+        key = prompt[0]
+        with self.lock:
+            assert key not in self.inflight, "two turns of one conversation in flight"
+            self.inflight.add(key)
+            self.peak = max(self.peak, len(self.inflight))
+            self.order.append((key, len(prompt)))
+        time.sleep(0.01)
+        with self.lock:
+            self.inflight.discard(key)
+        if len(prompt) in self.fail:
+            raise OSError("boom")
+        return Result(1.0, 2.0, max_tokens, {"total": 0})
+
+
+def _conversations(n: int, turns: int) -> list:
+    reqs = [req(t * 10 + c, (c + 1, 1000 + t, 2000 + c * 100 + t), inp=512 * (t + 2)) for t in range(turns)
+            for c in range(n)]
+    return build_turns(sorted(reqs), Scaling(64), ALLOWED)
+
+
+def test_concurrency_replay_keeps_each_conversation_in_order_and_one_turn_at_a_time():
+    turns = _conversations(6, 3)
+    ep = FakeEndpoint()
+    rec = serve.replay_concurrency(ep, turns, 4, lambda: None)
+    assert len(rec.results) == len(turns) and not rec.errors
+    assert ep.peak <= 4
+    for key in {t.prompt[0] for t in turns}:
+        lengths = [n for k, n in ep.order if k == key]  # turn t of a conversation is the longest yet
+        assert len(lengths) == 3 and lengths == sorted(lengths)
+
+
+def test_a_failed_request_is_counted_and_the_replay_goes_on():
+    turns = _conversations(3, 2)
+    rec = serve.replay_concurrency(FakeEndpoint(fail={len(turns[0].prompt)}), turns, 2, lambda: None)
+    assert rec.errors and len(rec.errors) + len(rec.results) == len(turns)
+    row = serve.summarize("baseline", 2, rec, 1.0, {})
+    assert row["errors"] == len(rec.errors) and row["throughput_req_s"] == len(rec.results)
+
+
+def test_timestamp_replay_sends_on_scaled_trace_time():
+    turns = build_turns([req(0, (1,)), req(400, (2,))], Scaling(64), ALLOWED)
+    ep = FakeEndpoint()
+    start = time.monotonic()
+    rec = serve.replay_timestamps(ep, turns, 0.5, lambda: None)
+    assert len(rec.results) == 2 and rec.started[1] >= 0.19 and time.monotonic() - start < 5
+
+
+# ----------------------------------------------------------------------------------- real servers
+@pytest.fixture(scope="module")
+def model() -> str:
+    out = ROOT / ".cache" / "models" / "tiny"
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), str(out),
+                        "--preset", "tiny"], check=True)
+    return str(out)
+
+
+def test_bench_serve_on_vllm_reports_every_config_and_kvstrata_hits(model, tmp_path):
+    pytest.importorskip("vllm")
+    png = tmp_path / "serve.png"
+    cmd = [sys.executable, "-m", "kvstrata.cli", "bench", "serve", "--engine", "vllm", "--model", model,
+           "--trace", str(SAMPLE), "--sessions", "2", "--concurrency", "2", "--configs", "baseline,strata-l1l2",
+           "--json", "--plot", str(png), "--work", str(tmp_path / "work"),
+           # a device cache that holds one prompt, so the second conversation evicts the first
+           "--max-prompt-tokens", "1024", "--device-tokens", "1536"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    lines = res.stdout.strip().splitlines()
+    assert lines[0].startswith("# kvstrata bench serve") and "| config |" in res.stdout
+    out = json.loads(lines[-1])
+    rows = {r["config"]: r for r in out["results"]}
+    assert set(rows) == {"baseline", "strata-l1l2"}
+    keys = {"config", "concurrency", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "throughput_req_s",
+            "throughput_tok_s", "hit_rate", "tokens_per_tier", "errors"}
+    for r in rows.values():
+        assert keys <= set(r) and r["errors"] == 0 and r["concurrency"] == 2
+        assert r["ttft_p50_ms"] <= r["ttft_p90_ms"] <= r["ttft_p99_ms"] and r["throughput_req_s"] > 0
+    strata = rows["strata-l1l2"]
+    assert strata["hit_rate"] > 0 and strata["tokens_per_tier"].get("host", 0) > 0
+    assert strata["hit_rate"] > rows["baseline"]["hit_rate"]
+    assert 0 < out["simulate_unbounded_hit_rate"] < 1
+    assert {t["target"] for t in out["targets"]} >= {"throughput vs baseline", "served fraction vs 0.9 x simulate"}
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "%|" in res.stderr  # the progress bar
