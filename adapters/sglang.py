@@ -160,6 +160,36 @@ class PageRows:
             out[i] = self._raw[self._lead + (slice(start, start + self.page_size),)]
         return rows
 
+    def gather_into(self, arena: torch.Tensor, slots: Sequence[int], pages: Sequence[int],
+                    host_indices: torch.Tensor, n: int) -> None:
+        """Copy page ``pages[i]`` of ``host_indices`` (``n`` pages) into ``arena[slots[i]]``:
+        one copy, no staging rows."""
+        starts = self._starts(host_indices, n)
+        dst = arena.numpy()
+        if starts is None:
+            rows = self.gather(host_indices, n)
+            for slot, page in zip(slots, pages):
+                dst[slot, : self.page_bytes] = rows[page].numpy()
+            return
+        for slot, page in zip(slots, pages):
+            start = starts[page]
+            dst[slot, : self.page_bytes].reshape(self._raw_page)[...] = \
+                self._raw[self._lead + (slice(start, start + self.page_size),)]
+
+    def scatter_from(self, arena: torch.Tensor, slots: Sequence[int], host_indices: torch.Tensor) -> None:
+        """Write ``arena[slots[i]]`` to page i of ``host_indices``: one copy, no staging rows."""
+        n = len(slots)
+        if not n:
+            return
+        starts = self._starts(host_indices, n)
+        if starts is None:
+            self.scatter(arena[torch.tensor(slots, dtype=torch.long), : self.page_bytes], host_indices)
+            return
+        src = arena.numpy()
+        for slot, start in zip(slots, starts):
+            self._raw[self._lead + (slice(start, start + self.page_size),)] = \
+                src[slot, : self.page_bytes].reshape(self._raw_page)
+
     def scatter(self, rows: torch.Tensor, host_indices: torch.Tensor) -> None:
         """Write ``rows`` (``[n, page_bytes]`` uint8) to the pages at ``host_indices``."""
         n = rows.shape[0]
@@ -289,7 +319,10 @@ class StrataStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Load the leading stored run of ``keys`` into the host pool; page i starts at
-        ``host_indices[i * page_size]``. A page that fails (and every later one) is False."""
+        ``host_indices[i * page_size]``. A page that fails (and every later one) is False.
+
+        Pages on disk are read (and checksummed) straight into L1 slots, then every page is copied
+        once from its L1 slot into the pool; the hit stays pinned meanwhile, so no slot is reused."""
         if not keys:
             return []
         assert self.rows is not None and self.ns is not None
@@ -297,25 +330,51 @@ class StrataStorage(HiCacheStorage):
         epoch, chain = self._chain(keys, extra_info)
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
         try:
-            out = self.rows.staging(hit.num_blocks)
-            loaded = self.store.load(hit, out)
+            resident = self.store.l1_slots(hit)
+            in_l1 = next((i for i, slot in enumerate(resident) if slot is None), len(resident))
+            loaded = self.store.stage(hit) if hit.num_blocks else 0
+            if in_l1 and loaded:
+                self.store.counters.inc("hit_blocks_l1", min(in_l1, loaded))
+            slots = self.store.l1_slots(hit)[:loaded]
+            if None in slots:  # not expected while pinned; never serve what is not there
+                loaded = slots.index(None)
+                slots = slots[:loaded]
+            if loaded:
+                assert self.store.l1.data is not None
+                self.rows.scatter_from(self.store.l1.data, slots, host_indices)  # type: ignore[arg-type]
         finally:
             self.store.release(hit)
-        self.rows.scatter(out[:loaded], host_indices)
         self._calls.record("prefetch", loaded, loaded * self.rows.page_bytes, time.perf_counter() - start)
         log.debug("kvstrata: loaded %d of %d pages", loaded, len(keys))
         return [i < loaded for i in range(len(keys))]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        """Store the pages at ``host_indices``; True where the page is stored afterwards."""
+        """Store the pages at ``host_indices``; True where the page is stored afterwards.
+
+        Pages not stored yet are copied once, from the pool into fresh L1 slots, and committed;
+        with ``l2.write: through`` their disk copies are written before this returns, so every
+        process sharing the disk tier sees them then (as the legacy path and ``put`` do)."""
         if not keys:
             return []
         if not self.writer:
             return [True] * len(keys)
-        assert self.rows is not None
+        assert self.rows is not None and self.ns is not None
         start = time.perf_counter()
-        stored = self._put(keys, self.rows.gather(host_indices, len(keys)), extra_info)
+        epoch, chain = self._chain(keys, extra_info)
+        res = self.store.reserve(self.ns, epoch, chain, self.rows.page_bytes)
+        if res.slots:
+            where = {key: i for i, key in enumerate(chain.keys)}
+            pages = [where[meta.key] for meta in res.metas]
+            assert self.store.l1.data is not None
+            try:
+                self.rows.gather_into(self.store.l1.data, res.slots, pages, host_indices, len(keys))
+            except BaseException:
+                self.store.abort(res)
+                raise
+            self.store.commit(res)
+            self.store.flush()  # the write-through commit queued
+        stored = self.store.index.valid_mask(self.ns.seed, epoch, chain).tolist()
         self._calls.record("backup", len(keys), len(keys) * self.rows.page_bytes, time.perf_counter() - start)
         return stored
 
