@@ -222,6 +222,11 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, object]:
         if progress:
             print("  index memory ...", flush=True)
         out.update(_index_bytes(1_000_000))
+        if progress:
+            print("  SGLang file backend beside StrataStorage ...", flush=True)
+        from .store_sglang import sglang_fields  # in SGLang's environment when not importable here
+
+        out.update(sglang_fields(quick))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out["ratios"] = _ratios(out)
