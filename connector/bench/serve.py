@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -50,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local model folder")
     p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
     p.add_argument("--sessions", type=int, default=None,
-                   help="replay all turns of K conversations sampled with --seed (default 10, unless --requests)")
+                   help="replay all turns of K conversations sampled with --seed (default 16, unless --requests)")
     p.add_argument("--requests", type=int, default=None, help="a plain slice of N requests instead")
     p.add_argument("--start", type=int, default=0, help="first request of the slice")
     p.add_argument("--seed", type=int, default=0, help="conversation sampling seed")
@@ -73,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-tokens", type=int, default=8192,
                    help="device KV cache of every server, in tokens (vLLM --num-gpu-blocks-override, "
                         "SGLang --max-total-tokens; default %(default)s)")
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="vLLM --max-num-batched-tokens / SGLang --chunked-prefill-size of every server "
+                        "(default: max prompt + max output, so a prompt is rarely split: vLLM's "
+                        "ExampleConnector crashes loading a prompt it saved in chunks)")
     p.add_argument("--l1-size", default="2GiB", help="kvstrata CPU tier (LMCache's CPU tier is the same)")
     p.add_argument("--dtype", default="auto", help="model dtype of every server")
     p.add_argument("--timeout", type=float, default=600, help="seconds per request and per server start")
@@ -302,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     levels: list[int | None] = [None] if args.timestamps else [int(c) for c in args.concurrency.split(",") if c]
     if not levels or any(c is not None and c < 1 for c in levels):
         raise SystemExit("bench serve: --concurrency needs positive integers")
-    sessions = None if args.requests else (args.sessions or 10)
+    sessions = None if args.requests else (args.sessions or 16)
     scaling = Scaling(args.block_tokens, args.max_prompt_tokens, args.max_output_tokens)
     reqs = select(load_trace(args.trace), sessions, args.requests, args.start, args.seed)
     if not reqs:
@@ -314,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
     device = args.device_tokens // args.block_tokens * args.block_tokens
     settings = engines.Settings(
         engine=args.engine, model=str(Path(args.model).resolve()), block_tokens=args.block_tokens,
-        device_tokens=device, max_model_len=args.max_prompt_tokens + args.max_output_tokens, dtype=args.dtype,
+        device_tokens=device, max_model_len=args.max_prompt_tokens + args.max_output_tokens,
+        max_batched_tokens=args.max_batched_tokens or args.max_prompt_tokens + args.max_output_tokens, dtype=args.dtype,
         l1_size=args.l1_size, redis_url=args.redis_url,
         lmcache_dir=Path(args.lmcache_dir).resolve() if args.lmcache_dir else ttft.lmcache_dir(args),
         sglang_python=args.sglang_python, start_timeout=args.timeout, request_timeout=args.timeout)
@@ -329,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
         f"{prompt_total:,} prompt tokens, mean {prompt_total / len(turns):,.0f}, "
         f"{sum(t.max_tokens for t in turns):,} output tokens",
         f"- device KV cache: {device} tokens ({device // args.block_tokens} blocks of {args.block_tokens}) in every "
-        f"server; distinct prompt tokens {len({h for t in turns for h in t.hash_ids}) * args.block_tokens:,}",
+        f"server, at most {settings.max_batched_tokens} tokens per step; distinct prompt tokens "
+        f"{len({h for t in turns for h in t.hash_ids}) * args.block_tokens:,}",
         f"- kvstrata / LMCache CPU tier {args.l1_size}; "
         + ("on trace timestamps x%g" % args.time_scale if args.timestamps else f"concurrency {args.concurrency}"),
         f"- simulate (real index, unbounded cache, same requests): {reference:.1%} of prompt tokens served",
@@ -356,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
                    "targets": checks, "simulate_unbounded_hit_rate": round(reference, 4),
                    "settings": {"engine": args.engine, "model": settings.model, "requests": len(turns),
                                 "sessions": sessions, "block_tokens": args.block_tokens,
-                                "device_tokens": device, "max_prompt_tokens": args.max_prompt_tokens,
+                                "device_tokens": device, "max_batched_tokens": settings.max_batched_tokens,
+                                "max_prompt_tokens": args.max_prompt_tokens,
                                 "max_output_tokens": args.max_output_tokens, "prompt_tokens": prompt_total,
                                 "l1_size": args.l1_size, "timestamps": args.timestamps,
                                 "time_scale": args.time_scale if args.timestamps else None}}
@@ -398,7 +404,8 @@ def _run_all(s: engines.Settings, configs: list[str], levels: list[int | None], 
                         rec.dump(work / name / "requests.jsonl")
                         time.sleep(1.0)  # the engine's stats reach /metrics after its next step
                         after = ep.tier_counts()
-                    tiers = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                    tiers = ({k: v - before.get(k, 0.0) for k, v in after.items()} if after is not None
+                             and before is not None else {})
                     results.append(summarize(config, level, rec, wall, tiers))
                 except Exception as e:  # a server that cannot start fails its run, not the bench
                     log.error("%s: %s", name, e)

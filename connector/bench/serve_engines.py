@@ -34,6 +34,7 @@ class Settings(NamedTuple):
     block_tokens: int  # vLLM block size / SGLang page size
     device_tokens: int  # the device KV cache, in tokens (a multiple of block_tokens)
     max_model_len: int
+    max_batched_tokens: int  # vLLM --max-num-batched-tokens (SGLang: --chunked-prefill-size)
     dtype: str
     l1_size: str
     redis_url: str | None
@@ -100,12 +101,16 @@ class Endpoint:
             raise RuntimeError("no output token streamed")
         return Result(ttft, e2e, int(out), cached)
 
-    def tier_counts(self) -> dict[str, float]:
-        """Cumulative cached prompt tokens per source (vLLM); empty for SGLang."""
+    def tier_counts(self) -> dict[str, float] | None:
+        """Cumulative cached prompt tokens per source (vLLM); empty for SGLang; None when the
+        server cannot be asked (it died: its requests already count as errors)."""
         if self.engine != "vllm":
             return {}
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            return cached_by_source(r.read().decode())
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+                return cached_by_source(r.read().decode())
+        except OSError:
+            return None
 
 
 def _strata_yaml(path: Path, s: Settings, folder: Path, remote: str | None) -> Path:
@@ -219,7 +224,8 @@ def _vllm(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -
         raise ValueError(f"unknown config {config!r}")
     port = free_port()
     extra = ["--num-gpu-blocks-override", str(s.device_tokens // s.block_tokens),
-             "--max-model-len", str(s.max_model_len), "--dtype", s.dtype, "--seed", "0"]
+             "--max-model-len", str(s.max_model_len), "--max-num-batched-tokens", str(s.max_batched_tokens),
+             "--dtype", s.dtype, "--seed", "0"]
     cmd = vllm_command(s.model, port, kv, block_size=s.block_tokens, extra=extra)
     stack.enter_context(Server(cmd, folder / "server.log", port, env=env, timeout=s.start_timeout))
     return Endpoint("vllm", f"http://127.0.0.1:{port}", s.model, s.request_timeout)
@@ -234,7 +240,8 @@ def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack)
     if not cuda:
         env.update(sg.cpu_env(sg.ROOT / ".cache" / "sglang"))
     args = ["--model-path", s.model, "--page-size", str(s.block_tokens), "--context-length",
-            str(s.max_model_len), "--dtype", s.dtype, "--random-seed", "0"]
+            str(s.max_model_len), "--chunked-prefill-size", str(s.max_batched_tokens),
+            "--dtype", s.dtype, "--random-seed", "0"]
     args += sg.cpu_flags(s.device_tokens) if not cuda else ["--max-total-tokens", str(s.device_tokens)]
     if config != "baseline":
         args += ["--enable-hierarchical-cache", "--hicache-ratio", "2",
