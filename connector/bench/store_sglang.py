@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 GB = 1e9
 LAYERS, HEADS, HEAD_DIM, PAGE = 24, 2, 64, 64  # Qwen2-0.5B's KV shape, SGLang page of 64 tokens

@@ -174,7 +174,11 @@ def run(args: argparse.Namespace) -> dict:
     n = args.prompt_tokens or DEFAULT_PROMPT_TOKENS
     prompt, warmup = (make_prompt(args.model, n, seed) for seed in (0, 1))
     work = Path(tempfile.mkdtemp(prefix="kvstrata-ttft-sglang-"))
-    bench = Bench(args, work, prompt, warmup)
+    try:
+        bench = Bench(args, work, prompt, warmup)
+    except BenchError:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     results: dict[str, dict] = {}
     errors: dict[str, str] = {}
     load = [os.getloadavg()[0]]
