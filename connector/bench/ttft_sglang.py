@@ -224,12 +224,16 @@ def summarize(results: dict[str, dict], errors: dict[str, str], prompt_tokens: i
 
     out["cold_over_l2"] = ratio(med.get("cold"), med.get("l2"))
     out["l2_over_peer"] = ratio(med.get("l2"), med.get("peer"))
-    out["overhead_ratio"] = (ratio(med["l2"] - med["native"], med["peer"] - med["native"])
-                             if {"l2", "peer", "native"} <= med.keys() else None)
+    # (l2 - native) / (peer - native): undefined (None) when the peer is not above the floor, i.e.
+    # its load time is lost in the noise of the native figure; both differences are in details.
+    diffs = ({f"{n}_minus_native_ms": round(med[n] - med["native"], 1) for n in ("l2", "peer")}
+             if {"l2", "peer", "native"} <= med.keys() else {})
+    out["overhead_ratio"] = (ratio(diffs["l2_minus_native_ms"], diffs["peer_minus_native_ms"])
+                             if diffs and diffs["peer_minus_native_ms"] > 0 else None)
     cold = outputs.get("cold")
     keys = ("samples_ms", "cached_tokens", "output_cached_tokens", "server_start_s")
     out["details"] = {
-        "prompt_tokens": prompt_tokens, "page_size": PAGE_SIZE, "rounds": bench.args.rounds,
+        "prompt_tokens": prompt_tokens, "page_size": PAGE_SIZE, "rounds": bench.args.rounds, **diffs,
         "output_tokens": bench.args.output_tokens, "sglang_python": bench.python, "cuda": bench.cuda,
         "server_flags": bench.flags, "env": bench.env,
         **{k: {n: r[k] for n, r in results.items()} for k in keys},
