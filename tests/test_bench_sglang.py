@@ -27,7 +27,9 @@ def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    missing = [f for f in TTFT_FIELDS if out.get(f) is None]
+    # overhead_ratio is null only when the file backend was not slower than a device hit
+    defined = out["details"]["peer_minus_native_ms"] > 0
+    missing = [f for f in TTFT_FIELDS if f not in out or (out[f] is None and (f != "overhead_ratio" or defined))]
     assert not missing, f"missing {missing}; errors {out['details']['errors']}"
     assert out["hit_fraction"] >= 0.9
     assert out["outputs_identical"] is True, out["details"]["outputs"]
