@@ -271,7 +271,7 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
         bars.bar(np.arange(len(levels)) + j * width, vals, width, label=c)
     bars.set_xticks(np.arange(len(levels)) + 0.4 - width / 2, [f"c={lv}" if lv else "timestamps" for lv in levels])
     bars.set(ylabel="requests/s", title="throughput")
-    bars.legend(fontsize=7)
+    bars.legend(fontsize=7, loc="lower right", framealpha=0.9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
