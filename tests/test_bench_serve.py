@@ -96,8 +96,9 @@ class FakeEndpoint:
 
 
 def _conversations(n: int, turns: int) -> list:
-    reqs = [req(t * 10 + c, (c + 1, 1000 + t, 2000 + c * 100 + t), inp=512 * (t + 2)) for t in range(turns)
-            for c in range(n)]
+    # conversation c: ids (c+1, 500+c, ...), so its turns share their first two ids
+    reqs = [req(t * 10 + c, (c + 1, 500 + c, *range(1000 + 100 * c, 1000 + 100 * c + t + 1)), inp=512 * (t + 3))
+            for t in range(turns) for c in range(n)]
     return build_turns(sorted(reqs), Scaling(64), ALLOWED)
 
 
@@ -105,8 +106,8 @@ def test_concurrency_replay_keeps_each_conversation_in_order_and_one_turn_at_a_t
     turns = _conversations(6, 3)
     ep = FakeEndpoint()
     rec = serve.replay_concurrency(ep, turns, 4, lambda: None)
-    assert len(rec.results) == len(turns) and not rec.errors
-    assert ep.peak <= 4
+    assert len(rec.results) == len(turns) and not rec.errors  # the fake raises on an overlap
+    assert len({t.session for t in turns}) == 6 and 1 < ep.peak <= 4
     for key in {t.prompt[0] for t in turns}:
         lengths = [n for k, n in ep.order if k == key]  # turn t of a conversation is the longest yet
         assert len(lengths) == 3 and lengths == sorted(lengths)
