@@ -240,7 +240,8 @@ def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack)
     if not cuda:
         env.update(sg.cpu_env(sg.ROOT / ".cache" / "sglang"))
     args = ["--model-path", s.model, "--page-size", str(s.block_tokens), "--context-length",
-            str(s.max_model_len), "--chunked-prefill-size", str(s.max_batched_tokens),
+            str(s.max_model_len), "--chunked-prefill-size",  # SGLang wants whole pages
+            str(-(-s.max_batched_tokens // s.block_tokens) * s.block_tokens),
             "--dtype", s.dtype, "--random-seed", "0"]
     args += sg.cpu_flags(s.device_tokens) if not cuda else ["--max-total-tokens", str(s.device_tokens)]
     if config != "baseline":
