@@ -430,6 +430,7 @@ class _WorkerSide:
         self._num_blocks = kv_cache_config.num_blocks
         self._layout: BlockLayout | None = None
         self._arena: torch.Tensor | None = None
+        self._prefault: Any = None  # kvstrata.tiers.memory.Prefaulter of the worker's mapping
         self._arena_path = ""
         self._done: set[int] = set()
         self._failed: set[int] = set()
@@ -449,7 +450,7 @@ class _WorkerSide:
             if self._layout.nbytes != spec.rank_bytes:
                 raise RuntimeError(f"kvstrata: worker blocks are {self._layout.nbytes} bytes per rank, "
                                    f"the scheduler expects {spec.rank_bytes}")
-            self._arena = attach_shared_arena(spec.path, spec.num_slots, spec.slot_bytes)
+            self._arena, self._prefault = attach_shared_arena(spec.path, spec.num_slots, spec.slot_bytes)
             if self._layout.device.type == "cuda":
                 torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
             self._arena_path = spec.path
@@ -460,6 +461,8 @@ class _WorkerSide:
             return
         arena = self._attach(meta.arena)
         assert self._layout is not None
+        self._prefault.ahead_of((max((max(op.slots) for op in meta.loads if op.slots), default=0) + 1)
+                                * meta.arena.slot_bytes)
         for op in meta.loads:
             try:
                 self._layout.load(op.slots, arena, op.block_ids)
@@ -476,6 +479,8 @@ class _WorkerSide:
             return
         arena = self._attach(meta.arena)
         assert self._layout is not None
+        self._prefault.ahead_of((max((max(op.slots) for op in meta.saves if op.slots), default=0) + 1)
+                                * meta.arena.slot_bytes)
         for op in meta.saves:
             try:
                 self._layout.save(op.block_ids, arena, op.slots)
