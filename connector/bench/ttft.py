@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="VLLM_ENABLE_V1_MULTIPROCESSING for every engine (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine process")
     parser.add_argument("--lmcache-dir", help="LMCache install folder (default: .venv-lmcache by the venv)")
+    parser.add_argument("--sglang-python", help="--engine sglang: interpreter with sglang (default: $KVSTRATA_SGLANG_PYTHON, "
+                        "else this one if it has sglang, else ./.venv-sglang)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, disk tiers)")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
 
