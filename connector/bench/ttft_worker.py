@@ -2,7 +2,7 @@
 
 Usage: ``python -m kvstrata.bench.ttft_worker SPEC.json``. The spec names the model, the prompt and
 warm-up token ids, the engine options and the steps, each one of: ``warmup`` (untimed request on the
-warm-up prompt), ``store`` (untimed request on the prompt, then a short pause so asynchronous saves
+warm-up prompt, then the same pause as ``store``), ``store`` (untimed request on the prompt, then a short pause so asynchronous saves
 can land), ``reset`` (``llm.reset_prefix_cache()``), ``time`` (timed greedy ``max_tokens=1`` request
 on the prompt: wall ms, and CPU ms of this process, which holds the whole engine when
 VLLM_ENABLE_V1_MULTIPROCESSING=0) and ``output`` (greedy ``max_tokens=N`` request whose token ids
@@ -41,6 +41,7 @@ def main(spec_path: str) -> None:
     for step in spec["steps"]:
         if step == "warmup":
             result["other_ms"]["warmup"] = generate(warm, one)[0]
+            time.sleep(spec["settle_s"])  # its saves land before anything is timed
         elif step == "store":
             result["other_ms"]["store"] = generate(prompt, one)[0]
             time.sleep(spec["settle_s"])
