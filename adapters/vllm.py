@@ -94,14 +94,17 @@ class StrataMetadata(KVConnectorMetadata):
 
 @dataclass
 class StrataWorkerMetadata(KVConnectorWorkerMetadata):
-    """Save ops a worker finished copying (or failed), reported back to the scheduler."""
+    """Save ops a worker finished copying (or failed), and the ranks that have just mapped the
+    arena, reported back to the scheduler."""
 
     done: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
+    attached: set[int] = field(default_factory=set)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, StrataWorkerMetadata)
-        return StrataWorkerMetadata(self.done | other.done, self.failed | other.failed)
+        return StrataWorkerMetadata(self.done | other.done, self.failed | other.failed,
+                                    self.attached | other.attached)
 
 
 class StrataStats(KVConnectorStats):
@@ -239,6 +242,8 @@ class _SchedulerSide:
         self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
         atexit.register(self.store.l1.close)  # unlink the arena even if vLLM never calls shutdown
         self.arena = ArenaSpec(path, self.store.l1.num_slots, slot_bytes, rank_bytes)
+        self._ranks = par.tensor_parallel_size
+        self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._inline_bytes = cfg.l1.stage_inline_bytes
         self._lock = threading.Lock()  # staging jobs finish on the store's background thread
         self._reqs: dict[str, _Pending] = {}
@@ -399,6 +404,13 @@ class _SchedulerSide:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(meta, StrataWorkerMetadata):
             return
+        if meta.attached and len(self._attached) < self._ranks:
+            self._attached |= meta.attached
+            if len(self._attached) >= self._ranks:
+                # Every worker holds a mapping now: drop the name, so the memory goes back to the
+                # system when the processes end, however they end (no leaked /dev/shm file).
+                self.store.l1.close()
+                log.info("kvstrata: all %d workers mapped the L1 arena; unlinked %s", self._ranks, self.arena.path)
         for op_id in meta.failed:
             res = self._saving.pop(op_id, None)
             if res is not None:
@@ -435,6 +447,7 @@ class _WorkerSide:
         self._done: set[int] = set()
         self._failed: set[int] = set()
         self._load_errors: set[int] = set()
+        self._just_attached = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -454,12 +467,13 @@ class _WorkerSide:
             if self._layout.device.type == "cuda":
                 torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
             self._arena_path = spec.path
+            self._just_attached = True
         return self._arena
 
     def start_load_kv(self, meta: StrataMetadata) -> None:
+        arena = self._attach(meta.arena)  # at the first step, so the scheduler can unlink the file
         if not meta.loads:
             return
-        arena = self._attach(meta.arena)
         assert self._layout is not None
         self._prefault.ahead_of((max((max(op.slots) for op in meta.loads if op.slots), default=0) + 1)
                                 * meta.arena.slot_bytes)
@@ -494,10 +508,10 @@ class _WorkerSide:
         return errors
 
     def build_connector_worker_meta(self) -> StrataWorkerMetadata | None:
-        if not self._done and not self._failed:
+        if not self._done and not self._failed and not self._just_attached:
             return None
-        meta = StrataWorkerMetadata(self._done, self._failed)
-        self._done, self._failed = set(), set()
+        meta = StrataWorkerMetadata(self._done, self._failed, {self._rank} if self._just_attached else set())
+        self._done, self._failed, self._just_attached = set(), set(), False
         return meta
 
 

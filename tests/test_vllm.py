@@ -80,8 +80,12 @@ def baseline(model, tmp_path_factory) -> dict[str, list[int]]:
 def test_same_prompt_after_reset_loads_all_but_last_token_in_separate_processes(model, baseline, tmp_path):
     """Scenario: the real deployment shape (EngineCore and worker in different processes, the L1
     arena shared between them); the engine's own cache is reset between the two requests."""
-    out = run(model, tmp_path, config(tmp_path), [gen(LONG), {"op": "reset"}, gen(LONG)], mp=True)
-    first, _, second = out
+    out = run(model, tmp_path, config(tmp_path), [{"op": "arenas"}, gen(LONG), {"op": "arenas"},
+                                                  {"op": "reset"}, gen(LONG)], mp=True)
+    before, first, after, _, second = out
+    # The arena file is unlinked once the worker has mapped it: nothing is left in /dev/shm
+    # however the engine ends, and the mappings keep working.
+    assert len(before["names"]) == 1 and after["names"] == []
     assert first["cached"] == 0
     assert second["cached"] == len(LONG) - 1  # includes the 20-token partial tail block
     assert first["tokens"] == second["tokens"] == baseline["long"]

@@ -5,7 +5,9 @@ Usage: python vllm_steps.py SPEC.json. SPEC: {"model": DIR, "config": YAML or nu
 {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} -> {"tokens", "cached", "ms"};
 {"op": "reset", "connector": bool} -> {"ok"}; {"op": "counters"} -> the connector's counters
 (in-process engines only); {"op": "signal", "file": path} creates a file; {"op": "wait", "file":
-path} waits for one (to coordinate with the test or another engine); {"op": "sleep", "s": x}.
+path} waits for one (to coordinate with the test or another engine); {"op": "sleep", "s": x};
+{"op": "arenas"} -> {"names"}: kvstrata's L1 arena files in /dev/shm owned by this process or its
+children (the EngineCore when "mp").
 Greedy decoding throughout.
 """
 
@@ -17,6 +19,22 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def _own_arenas() -> list[str]:
+    """Arena files (``kvstrata-PID-...``) whose PID is this process or one of its children."""
+    pids = {os.getpid()}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == os.getpid():
+                pids.add(int(entry))
+    return sorted(n for n in os.listdir("/dev/shm")
+                  if n.startswith("kvstrata-") and n.split("-")[1].isdigit() and int(n.split("-")[1]) in pids)
 
 
 def main() -> None:
@@ -60,6 +78,8 @@ def main() -> None:
         elif step["op"] == "sleep":
             time.sleep(step["s"])
             results.append({})
+        elif step["op"] == "arenas":
+            results.append({"names": _own_arenas()})
         elif step["op"] == "counters":
             sched = llm.llm_engine.engine_core.engine_core.scheduler
             results.append(sched.connector._sched.store.counters.snapshot())
