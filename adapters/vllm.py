@@ -4,7 +4,8 @@ vLLM runs one connector instance per role, usually in different processes: the s
 EngineCore, one per worker beside the KV cache. The split follows vLLM's own offloading design:
 
 - Scheduler side owns the ``BlockStore`` (index, L1 bookkeeping, disk tier, epochs). Its L1 arena
-  is a file in ``/dev/shm`` so that workers on this host can map it. Lookups answer from the index
+  is a file in ``/dev/shm`` so that workers on this host can map it; once every worker reports
+  its mapping, the file is unlinked, so no arena outlives the engine. Lookups answer from the index
   only; blocks found only on disk are first read into L1: inline when small (``l1.stage_inline_bytes``),
   else in the background (the scheduler is told "ask again later" meanwhile), so that every promised
   block is a memory copy away and pinned.
