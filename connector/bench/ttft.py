@@ -280,12 +280,17 @@ def run(args: argparse.Namespace) -> dict:
                 errors[name] = str(e)
                 log.error("%s: %s", name, e)
     finally:
-        load.append(os.getloadavg()[0])
-        if args.keep:
-            log.warning("work folder kept: %s", work)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        finish(work, args.keep, load)
     return summarize(results, errors, len(prompt), n, ours, engine_env(args), load)
+
+
+def finish(work: Path, keep: bool, load: list[float]) -> None:
+    """End of a run: note the load average beside the one at the start, drop (or keep) the work folder."""
+    load.append(os.getloadavg()[0])
+    if keep:
+        log.warning("work folder kept: %s", work)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours: str, env: dict,

@@ -37,7 +37,7 @@ from typing import Callable
 
 from ..sglang_server import SGLangServer, SGLangUnavailable, cpu_env, cpu_flags, find_python, python_has_cuda
 from .ttft import CONFIGS as VLLM_CONFIGS
-from .ttft import BenchError, make_prompt
+from .ttft import BenchError, finish, make_prompt
 
 log = logging.getLogger("kvstrata.bench.ttft_sglang")
 
@@ -199,11 +199,7 @@ def run(args: argparse.Namespace) -> dict:
                     errors.setdefault(name, f"{type(e).__name__}: {e}")
                 log.error("%s: %s", ",".join(names), e)
     finally:
-        load.append(os.getloadavg()[0])
-        if args.keep:
-            log.warning("work folder kept: %s", work)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        finish(work, args.keep, load)
     if not results:
         raise BenchError("no configuration ran: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
     return summarize(results, errors, len(prompt), bench, load)
