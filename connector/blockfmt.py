@@ -10,6 +10,7 @@ so a torn or foreign file is rejected before its size is used. Never pickle.
 from __future__ import annotations
 
 import struct
+from typing import Sequence
 
 import xxhash
 
@@ -65,3 +66,17 @@ def unpack_header(buf: bytes | memoryview, where: str = "block") -> EntryMeta:
 
 def payload_checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def payload_checksum_of(parts: Sequence[memoryview]) -> int:
+    """``payload_checksum`` of the concatenation of ``parts``, streamed without joining them.
+
+    xxh3's streaming digest equals its one-shot digest of the same bytes, so a payload written or
+    read as scattered runs (an engine's host pool page) carries the same checksum as a contiguous one.
+    """
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
