@@ -9,6 +9,9 @@ Primitives (all thread-safe):
   block after it are reported as not loaded, so the engine recomputes them. L2 hits are promoted.
 - ``save(ns, epoch, chain, payloads, on_done)``: queue a save and return at once; refused (and
   counted) when the queue is full. ``put`` is the same, synchronously.
+- ``load_direct`` / ``put_direct``: the same for an engine's own memory given as byte runs per
+  block (SGLang's host pool): disk reads and writes go straight between it and the files, with no
+  L1 copy (L1-resident blocks are still served from L1).
 - ``invalidate(ns)``: bump the namespace epoch; older entries are invisible from that instant.
 - ``gc()``, ``stats()``, ``close()``.
 
@@ -26,7 +29,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from .blockfmt import payload_checksum
+from .blockfmt import payload_checksum, payload_checksum_of
 from .config import StrataConfig
 from .epochs import EpochStore, FileEpochs, MemoryEpochs
 from .index import BlockIndex, EntryMeta
@@ -413,6 +416,89 @@ class BlockStore:
             return first + got
         finally:
             self.index.unpin(lease)
+
+    # ------------------------------- direct disk I/O on the caller's memory
+    @property
+    def direct_writes(self) -> bool:
+        """Whether ``put_direct`` keeps the write semantics: L2 write-through and no shared tier
+        (``on_evict`` writes L2 from L1 slots, and the shared tier is written from L1 too)."""
+        return self.l2 is not None and self.config.l2.write == "through" and self.remote is None
+
+    def load_direct(self, hit: Hit, dest: Callable[[int], Sequence[memoryview]],
+                    from_l1: Callable[[int, int], None]) -> int:
+        """Load the hit's blocks into the caller's memory with no staging copy.
+
+        Block i comes from its L1 slot where resident (``from_l1(i, slot)`` copies it), else from
+        the disk tier straight into ``dest(i)`` (the block's runs, ``meta.size`` bytes in all;
+        one ``preadv``, checksum verified). Blocks only a shared tier holds, or whose disk copy
+        failed while a shared tier holds them, are staged through L1 as in ``stage``. Returns how
+        many leading blocks were loaded; ``dest`` of the first failed block holds garbage."""
+        keys = hit.chain.keys
+        if not keys:
+            return 0
+        rows = self.index.rows_of(keys)
+        gone = np.flatnonzero(rows < 0)
+        usable = int(gone[0]) if len(gone) else len(keys)
+        lease = self.index.pin(rows[:usable]) if hit.lease is None and usable else None
+        try:
+            bits = self.index.tiers_of(rows[:usable]).tolist()
+            slots = self.l1.slots_of(keys[:usable])
+            l2_bit = self.l2.bit if self.l2 is not None else 0
+            n = from_mem = 0
+            while n < usable:
+                slot = slots[n]
+                if bits[n] & self.l1.bit and slot is not None:
+                    from_l1(n, slot)
+                    from_mem += 1
+                elif bits[n] & l2_bit:
+                    assert self.l2 is not None
+                    if not self.l2.read_views(self.index.meta(int(rows[n])), dest(n)):
+                        self.index.drop_tier(int(rows[n]), l2_bit)  # the tier dropped a bad copy
+                        break
+                else:
+                    break
+                n += 1
+            if from_mem:
+                self.counters.inc("hit_blocks_l1", from_mem)
+            if n - from_mem:
+                self.counters.inc("hit_blocks_l2", n - from_mem)
+            if n < usable and self.remote is not None:
+                n += self._load_staged(Hit(hit.ns, hit.epoch, _slice(hit.chain, n, usable), [], None), n, from_l1)
+            if n < len(keys):
+                self.counters.inc("load_failures")
+                self.counters.inc("load_failed_blocks", len(keys) - n)
+            return n
+        finally:
+            if lease is not None:
+                self.index.unpin(lease)
+
+    def _load_staged(self, rest: Hit, first: int, from_l1: Callable[[int, int], None]) -> int:
+        """Stage ``rest`` through L1 (other tiers), then copy it out; its rows are pinned."""
+        got = self.stage(rest)
+        slots = self.l1.slots_of(rest.chain.keys[:got])
+        done = next((i for i, s in enumerate(slots) if s is None), got)
+        for i in range(done):
+            from_l1(first + i, slots[i])  # type: ignore[arg-type]
+        return done
+
+    def put_direct(self, ns: Namespace, epoch: int, chain: BlockChain, size: int,
+                   src: Callable[[int], Sequence[memoryview]]) -> int:
+        """Store the blocks of ``chain`` not validly stored yet straight from the caller's memory
+        to the disk tier (needs ``direct_writes``): block i's bytes are the runs ``src(i)``,
+        checksummed by streaming and written with one ``pwritev`` to a temp file, published by
+        rename and committed to the index; L1 is bypassed. Returns how many blocks were stored."""
+        assert self.l2 is not None and self.direct_writes, "put_direct needs L2 write-through"
+        todo, metas = self._metas(ns, epoch, chain, size)
+        done = []
+        for i, meta in zip(todo, metas):
+            parts = src(i)
+            meta = meta._replace(checksum=payload_checksum_of(parts))
+            if self.l2.write_views(meta, parts):
+                done.append(meta)
+        stored = sum(row is not None for row in self.index.commit_many(done, self.l2.bit)) if done else 0
+        self.counters.inc("saved_blocks", stored)
+        self._enforce_capacity(self.l2)
+        return stored
 
     def l1_slots(self, hit: Hit) -> list[int | None]:
         return self.l1.slots_of(hit.chain.keys)
