@@ -19,6 +19,13 @@ token ids. Two key modes, fixed per instance by the extra config:
   calls, so each page is a chain of one rooted at the namespace; the parent check is then
   SGLang's own, inside its SHA-256 keys.
 
+Data path (zero-copy interface). When kvstrata's L1 is smaller than the host pool
+(``bypass_l1``), a page not resident in L1 moves between the pool and its disk file with no copy
+in between: one ``preadv``/``pwritev`` per page whose buffers are the page's runs in the pool
+(``PageRows.runs``: one per layer and K/V in ``layer_first``, one per K/V in ``page_first``) and a
+streaming xxh3 checksum, so the files are byte-identical to those written through L1. A larger
+L1 is a cache behind the pool, and pages go through it (copied into L1 slots, then to disk).
+
 Every payload that comes from disk is checksummed by the store: a corrupt or missing page is
 reported as failed (with every page after it) and never served. ``clear()`` bumps the namespace
 epoch, which hides everything stored before, in every process sharing the L2 folder.
@@ -44,7 +51,8 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstrata.config import ConfigError, StrataConfig, load_engine_config
 from kvstrata.keys import BlockChain, Namespace, chain_digests, model_fingerprint, root_key
-from kvstrata.store import BlockStore
+from kvstrata.store import BlockStore, Hit
+from kvstrata.tiers.disk import IOV_MAX
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
@@ -131,6 +139,16 @@ class PageRows:
         self._lead = (slice(None),) * self.dim
         self._ramp = torch.arange(self.page_size)
         self._local = threading.local()
+        # A page as byte runs of the pool buffer (direct disk I/O): one run per index of the
+        # dimensions before the token one (layer_first: K/V x layers; page_first: K/V).
+        token_bytes = math.prod(dims[self.dim + 1 :]) * buf.element_size()
+        self._token_bytes = token_bytes
+        self._run_bytes = self.page_size * token_bytes
+        self._run_offsets = tuple(j * pool.size * token_bytes for j in range(math.prod(dims[: self.dim])))
+        self.pool_bytes = buf.numel() * buf.element_size()
+        # Runs must be addressable in the flat buffer, and header + runs fit one preadv.
+        self.direct = buf.is_contiguous() and len(self._run_offsets) < IOV_MAX
+        self._mem = memoryview(self._raw.reshape(-1)) if self.direct else None
 
     def staging(self, n: int) -> torch.Tensor:
         """``[n, page_bytes]`` uint8 rows of this thread's reused buffer (valid until its next call)."""
@@ -138,6 +156,22 @@ class PageRows:
         if held is None or held.shape[0] < n:
             held = self._local.rows = torch.empty((n, self.page_bytes), dtype=torch.uint8)
         return held[:n]
+
+    def page_starts(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
+        """First token of each of ``n`` pages, or None when some page is not one run of tokens."""
+        return self._starts(host_indices, n)
+
+    def runs(self, start: int) -> list[memoryview]:
+        """The page starting at token ``start`` as writable byte runs of the pool buffer, in the
+        order of its stored bytes (``get_data_page(start, flat=True)``); needs ``direct``."""
+        assert self._mem is not None, "pool buffer is not contiguous"
+        mem, size, base = self._mem, self._run_bytes, start * self._token_bytes
+        return [mem[base + off : base + off + size] for off in self._run_offsets]
+
+    def copy_slot(self, arena: torch.Tensor, slot: int, start: int) -> None:
+        """Write ``arena[slot]`` to the page starting at token ``start``."""
+        self._raw[self._lead + (slice(start, start + self.page_size),)] = \
+            arena.numpy()[slot, : self.page_bytes].reshape(self._raw_page)
 
     def _starts(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
         """First token of each page, or None when some page is not one contiguous run."""
@@ -275,6 +309,7 @@ class StrataStorage(HiCacheStorage):
         self.store = BlockStore(self.config)
         self.rows: PageRows | None = None
         self.ns: Namespace | None = None
+        self.bypass_l1 = False  # set by register_mem_pool_host
         self._calls = _CallLog()
         log.info("kvstrata: SGLang storage backend for %s (tp %d/%d, %s keys, writer=%s)",
                  storage_config.model_name, storage_config.tp_rank, storage_config.tp_size,
@@ -284,7 +319,13 @@ class StrataStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.rows = PageRows(mem_pool_host)
         self.ns = namespace_for(self.storage_config, self.config, self.rows, self.chained)
-        log.info("kvstrata: namespace %s (%s), %d-byte pages", self.ns.id, self.ns.layout, self.rows.page_bytes)
+        # An L1 smaller than the host pool would mostly hold pages the pool still has (both are
+        # LRU over the same pages), so its copy is pure cost: pages then go straight between
+        # the pool and the disk tier. An L1 at least that large is a real cache behind the pool.
+        self.bypass_l1 = (self.rows.direct and self.store.l2 is not None
+                          and self.store.l1.capacity_bytes < self.rows.pool_bytes)
+        log.info("kvstrata: namespace %s (%s), %d-byte pages, %s", self.ns.id, self.ns.layout,
+                 self.rows.page_bytes, "direct disk I/O" if self.bypass_l1 else "through L1")
 
     # -------------------------------------------------------------- keys
     def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> tuple[int, BlockChain]:
@@ -321,8 +362,10 @@ class StrataStorage(HiCacheStorage):
         """Load the leading stored run of ``keys`` into the host pool; page i starts at
         ``host_indices[i * page_size]``. A page that fails (and every later one) is False.
 
-        Pages on disk are read (and checksummed) straight into L1 slots, then every page is copied
-        once from its L1 slot into the pool; the hit stays pinned meanwhile, so no slot is reused."""
+        L1-resident pages are copied once from their slots. With ``bypass_l1`` the others are
+        read from disk straight into the pool (one ``preadv`` per page over its runs, checksum
+        verified); otherwise they are staged (read and checksummed) into L1 slots first, which
+        promotes them. The hit stays pinned meanwhile, so no slot or file is reused under us."""
         if not keys:
             return []
         assert self.rows is not None and self.ns is not None
@@ -330,31 +373,46 @@ class StrataStorage(HiCacheStorage):
         epoch, chain = self._chain(keys, extra_info)
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
         try:
-            resident = self.store.l1_slots(hit)
-            in_l1 = next((i for i, slot in enumerate(resident) if slot is None), len(resident))
-            loaded = self.store.stage(hit) if hit.num_blocks else 0
-            if in_l1 and loaded:
-                self.store.counters.inc("hit_blocks_l1", min(in_l1, loaded))
-            slots = self.store.l1_slots(hit)[:loaded]
-            if None in slots:  # not expected while pinned; never serve what is not there
-                loaded = slots.index(None)
-                slots = slots[:loaded]
-            if loaded:
-                assert self.store.l1.data is not None
-                self.rows.scatter_from(self.store.l1.data, slots, host_indices)  # type: ignore[arg-type]
+            starts = self.rows.page_starts(host_indices, hit.num_blocks) if self.bypass_l1 and hit.num_blocks else None
+            if starts is not None:
+                rows, arena = self.rows, self.store.l1.data
+                loaded = self.store.load_direct(
+                    hit, lambda i: rows.runs(starts[i]),
+                    lambda i, slot: rows.copy_slot(arena, slot, starts[i]))  # type: ignore[arg-type]
+            else:
+                loaded = self._get_staged(hit, host_indices)
         finally:
             self.store.release(hit)
         self._calls.record("prefetch", loaded, loaded * self.rows.page_bytes, time.perf_counter() - start)
         log.debug("kvstrata: loaded %d of %d pages", loaded, len(keys))
         return [i < loaded for i in range(len(keys))]
 
+    def _get_staged(self, hit: Hit, host_indices: torch.Tensor) -> int:
+        """Pages on disk are read into L1 slots, then every page is copied from its slot."""
+        assert self.rows is not None
+        resident = self.store.l1_slots(hit)
+        in_l1 = next((i for i, slot in enumerate(resident) if slot is None), len(resident))
+        loaded = self.store.stage(hit) if hit.num_blocks else 0
+        if in_l1 and loaded:
+            self.store.counters.inc("hit_blocks_l1", min(in_l1, loaded))
+        slots = self.store.l1_slots(hit)[:loaded]
+        if None in slots:  # not expected while pinned; never serve what is not there
+            loaded = slots.index(None)
+            slots = slots[:loaded]
+        if loaded:
+            assert self.store.l1.data is not None
+            self.rows.scatter_from(self.store.l1.data, slots, host_indices)  # type: ignore[arg-type]
+        return loaded
+
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the pages at ``host_indices``; True where the page is stored afterwards.
 
-        Pages not stored yet are copied once, from the pool into fresh L1 slots, and committed;
-        with ``l2.write: through`` their disk copies are written before this returns, so every
-        process sharing the disk tier sees them then (as the legacy path and ``put`` do)."""
+        With ``bypass_l1`` (and L2 write-through, no shared tier) pages not stored yet go from
+        the pool straight to disk: one ``pwritev`` of header + the page's runs per file, published
+        by rename, then committed. Otherwise they are copied once into fresh L1 slots, committed,
+        and written through from there. Either way the disk copies exist before this returns, so
+        every process sharing the disk tier sees them then (as the legacy path and ``put`` do)."""
         if not keys:
             return []
         if not self.writer:
@@ -362,21 +420,31 @@ class StrataStorage(HiCacheStorage):
         assert self.rows is not None and self.ns is not None
         start = time.perf_counter()
         epoch, chain = self._chain(keys, extra_info)
-        res = self.store.reserve(self.ns, epoch, chain, self.rows.page_bytes)
-        if res.slots:
-            where = {key: i for i, key in enumerate(chain.keys)}
-            pages = [where[meta.key] for meta in res.metas]
-            assert self.store.l1.data is not None
-            try:
-                self.rows.gather_into(self.store.l1.data, res.slots, pages, host_indices, len(keys))
-            except BaseException:
-                self.store.abort(res)
-                raise
-            self.store.commit(res)
-            self.store.flush()  # the write-through commit queued
+        starts = self.rows.page_starts(host_indices, len(keys)) if self.bypass_l1 and self.store.direct_writes else None
+        if starts is not None:
+            rows = self.rows
+            self.store.put_direct(self.ns, epoch, chain, rows.page_bytes, lambda i: rows.runs(starts[i]))
+        else:
+            self._set_staged(epoch, chain, host_indices, len(keys))
         stored = self.store.index.valid_mask(self.ns.seed, epoch, chain).tolist()
         self._calls.record("backup", len(keys), len(keys) * self.rows.page_bytes, time.perf_counter() - start)
         return stored
+
+    def _set_staged(self, epoch: int, chain: BlockChain, host_indices: torch.Tensor, n: int) -> None:
+        assert self.rows is not None and self.ns is not None
+        res = self.store.reserve(self.ns, epoch, chain, self.rows.page_bytes)
+        if not res.slots:
+            return
+        where = {key: i for i, key in enumerate(chain.keys)}
+        pages = [where[meta.key] for meta in res.metas]
+        assert self.store.l1.data is not None
+        try:
+            self.rows.gather_into(self.store.l1.data, res.slots, pages, host_indices, n)
+        except BaseException:
+            self.store.abort(res)
+            raise
+        self.store.commit(res)
+        self.store.flush()  # the write-through commit queued
 
     def _put(self, keys: Sequence[str], payloads: torch.Tensor | Sequence[torch.Tensor],
              extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:

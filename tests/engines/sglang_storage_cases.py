@@ -253,3 +253,103 @@ def test_storage_stats_are_sglang_metrics_with_kvstrata_counters(tmp_path, stora
     assert s.get_stats().backup_pgs == []  # drained
 
 
+
+
+# ============================================================================ direct disk path
+SMALL_L1 = {"size": "32KiB"}  # below the 96 KiB test pool: pages bypass L1 (``bypass_l1``)
+
+
+def _files_by_page(s: Any, keys: list[str], prefix: list[str]) -> list[Path]:
+    _epoch, chain = s._chain(keys, _info(prefix))
+    return [s.store.l2.path(k) for k in chain.keys]
+
+
+def _counter(s: Any, name: str) -> int:
+    return int(s.store.counters.snapshot().get(name, 0))
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_storage_direct_path_round_trips_exact_pages_without_touching_l1(tmp_path, storages, layout):
+    """Scenario: an L1 smaller than the host pool is bypassed: pages go from the pool to their
+    files and back (one pwritev/preadv over the page's runs), L1-resident pages still come from L1."""
+    import torch
+
+    s = make_storage(tmp_path, layout, l1=SMALL_L1)
+    storages.append(s)
+    assert s.bypass_l1 and s.rows.direct
+    # one run per K/V and layer (layer_first: [2, layers, tokens, ...]) or per K/V (page_first:
+    # [2, tokens, layers, ...]), each page_size tokens long
+    assert len(s.rows.runs(0)) == (2 * 3 if layout == "layer_first" else 2)
+    pool, page_bytes = s.mem_pool_host, s.rows.page_bytes
+    keys = sglang_keys(20, 6)
+    src, dst = _pages(pool, 0, 6), _pages(pool, 128, 6)
+    want = [_page(pool, i * PAGE) for i in range(6)]
+    s.bypass_l1 = False  # the first two pages through L1, so they are resident there
+    assert s.batch_set_v1(keys[:2], src[: 2 * PAGE], _info([])) == [True, True]
+    s.bypass_l1 = True
+    assert s.batch_set_v1(keys[2:], src[2 * PAGE :], _info(keys[:2])) == [True] * 4
+    assert s.store.l1_slots(s.store.lookup_chain(s.ns, *s._chain(keys[2:], _info(keys[:2])))) == [None] * 4
+    assert all(f.stat().st_size == 128 + page_bytes for f in _files_by_page(s, keys, []))
+    assert _counter(s, "saved_blocks") == 6 and _counter(s, "l2_bytes_written") == 6 * page_bytes
+    assert s.batch_exists(keys, _info([])) == 6
+    assert s.batch_get_v1(keys, dst, _info([])) == [True] * 6
+    for i in range(6):
+        assert torch.equal(_page(pool, 128 + i * PAGE), want[i])
+    assert _counter(s, "hit_blocks_l1") == 2 and _counter(s, "hit_blocks_l2") == 4
+    assert _counter(s, "l2_bytes_read") == 4 * page_bytes and _counter(s, "checksum_failures") == 0
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_storage_direct_and_l1_paths_write_identical_files_each_reads_the_others(tmp_path, storages, layout):
+    """Scenario: files written straight from the pool are byte-identical to files written through
+    L1, and a fresh instance on either path reads the other path's files."""
+    import torch
+
+    pool = _host_pool(layout)
+    direct = make_storage(tmp_path / "a", layout, pool=pool, l1=SMALL_L1)
+    staged = make_storage(tmp_path / "b", layout, pool=pool)
+    storages += [direct, staged]
+    assert direct.bypass_l1 and not staged.bypass_l1
+    keys = sglang_keys(21, 4)
+    src = _pages(pool, 0, 4)
+    want = [_page(pool, i * PAGE) for i in range(4)]
+    assert all(direct.batch_set_v1(keys, src, _info([])))
+    assert all(staged.batch_set_v1(keys, src, _info([])))
+    a_files, b_files = _files_by_page(direct, keys, []), _files_by_page(staged, keys, [])
+    assert [f.read_bytes() for f in a_files] == [f.read_bytes() for f in b_files]
+    for folder, bypass in ((tmp_path / "a", False), (tmp_path / "b", True)):  # each reads the other's
+        reader = make_storage(folder, layout, pool=pool, l1=SMALL_L1)
+        storages.append(reader)
+        reader.bypass_l1 = bypass
+        pool.kv_buffer.narrow(reader.rows.dim, 128, 4 * PAGE).zero_()
+        assert reader.batch_get_v1(keys, _pages(pool, 128, 4), _info([])) == [True] * 4
+        assert all(torch.equal(_page(pool, 128 + i * PAGE), want[i]) for i in range(4))
+        assert _counter(reader, "hit_blocks_l2") == 4
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_storage_direct_read_of_corrupt_file_fails_that_page_and_every_later_one(tmp_path, storages, layout):
+    """Scenario: a flipped payload byte on disk: the page is reported failed (so SGLang never
+    uses it), its file is deleted and unindexed, and no later page is read."""
+    import torch
+
+    writer = make_storage(tmp_path, layout, l1=SMALL_L1)
+    storages.append(writer)
+    keys = sglang_keys(22, 5)
+    assert all(writer.batch_set_v1(keys, _pages(writer.mem_pool_host, 0, 5), _info([])))
+    victim = _files_by_page(writer, keys, [])[2]
+    data = bytearray(victim.read_bytes())
+    data[-7] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    reader = make_storage(tmp_path, layout, l1=SMALL_L1)
+    storages.append(reader)
+    assert reader.bypass_l1
+    target = torch.arange(128, 128 + 5 * PAGE)
+    before = reader.mem_pool_host.kv_buffer.clone()
+    assert reader.batch_get_v1(keys, target, _info([])) == [True, True, False, False, False]
+    assert _counter(reader, "checksum_failures") == 1 and _counter(reader, "hit_blocks_l2") == 2
+    assert _counter(reader, "load_failed_blocks") == 3
+    assert not victim.exists() and reader.batch_exists(keys, _info([])) == 2
+    dim = reader.rows.dim
+    later = target[3 * PAGE :].long()  # pages after the failed one were never touched
+    assert torch.equal(before.index_select(dim, later), reader.mem_pool_host.kv_buffer.index_select(dim, later))
