@@ -486,19 +486,60 @@ class BlockStore:
         """Store the blocks of ``chain`` not validly stored yet straight from the caller's memory
         to the disk tier (needs ``direct_writes``): block i's bytes are the runs ``src(i)``,
         checksummed by streaming and written with one ``pwritev`` to a temp file, published by
-        rename and committed to the index; L1 is bypassed. Returns how many blocks were stored."""
+        rename and committed to the index once all are written; L1 is bypassed. Blocks are
+        written by this thread and idle save threads together (``_fan_out``); ``src`` must stay
+        unchanged until this returns. Returns how many blocks were stored."""
         assert self.l2 is not None and self.direct_writes, "put_direct needs L2 write-through"
+        l2 = self.l2
         todo, metas = self._metas(ns, epoch, chain, size)
-        done = []
-        for i, meta in zip(todo, metas):
-            parts = src(i)
-            meta = meta._replace(checksum=payload_checksum_of(parts))
-            if self.l2.write_views(meta, parts):
-                done.append(meta)
-        stored = sum(row is not None for row in self.index.commit_many(done, self.l2.bit)) if done else 0
+        ok = [False] * len(todo)
+
+        def write(k: int) -> None:
+            parts = src(todo[k])
+            metas[k] = metas[k]._replace(checksum=payload_checksum_of(parts))
+            ok[k] = l2.write_views(metas[k], parts)
+
+        self._fan_out(len(todo), write)
+        done = [meta for meta, good in zip(metas, ok) if good]
+        stored = sum(row is not None for row in self.index.commit_many(done, l2.bit)) if done else 0
         self.counters.inc("saved_blocks", stored)
-        self._enforce_capacity(self.l2)
+        self._enforce_capacity(l2)
         return stored
+
+    def _fan_out(self, n: int, fn: Callable[[int], None]) -> None:
+        """Run ``fn(0)`` .. ``fn(n - 1)`` on this thread and up to ``saves.threads`` save threads,
+        and return when every call has finished. File writes release the GIL, so the kernel's
+        page-cache copies of different blocks overlap. Items are taken from a shared counter, so
+        a save thread busy with queued saves just finds nothing left: this never waits for
+        unrelated jobs, and is safe to call from a save thread."""
+        helpers = min(self.config.saves.threads, n - 1)
+        if helpers <= 0:
+            for k in range(n):
+                fn(k)
+            return
+        items = iter(range(n))
+        cond = threading.Condition()
+        finished = [0]
+
+        def drain() -> None:
+            while True:
+                with cond:
+                    k = next(items, None)
+                if k is None:
+                    return
+                try:
+                    fn(k)
+                finally:
+                    with cond:
+                        finished[0] += 1
+                        cond.notify_all()
+
+        for _ in range(helpers):
+            if not self._saver.submit(0, drain):
+                break
+        drain()
+        with cond:
+            cond.wait_for(lambda: finished[0] == n)
 
     def l1_slots(self, hit: Hit) -> list[int | None]:
         return self.l1.slots_of(hit.chain.keys)
