@@ -365,7 +365,9 @@ class StrataStorage(HiCacheStorage):
         L1-resident pages are copied once from their slots. With ``bypass_l1`` the others are
         read from disk straight into the pool (one ``preadv`` per page over its runs, checksum
         verified); otherwise they are staged (read and checksummed) into L1 slots first, which
-        promotes them. The hit stays pinned meanwhile, so no slot or file is reused under us."""
+        promotes them. The hit stays pinned meanwhile, so no slot or file is reused under us.
+        A failed page's memory in the pool may have been partly overwritten; SGLang frees the
+        host indices of pages reported False without reading them."""
         if not keys:
             return []
         assert self.rows is not None and self.ns is not None
@@ -375,10 +377,10 @@ class StrataStorage(HiCacheStorage):
         try:
             starts = self.rows.page_starts(host_indices, hit.num_blocks) if self.bypass_l1 and hit.num_blocks else None
             if starts is not None:
-                rows, arena = self.rows, self.store.l1.data
+                rows, l1 = self.rows, self.store.l1
                 loaded = self.store.load_direct(
                     hit, lambda i: rows.runs(starts[i]),
-                    lambda i, slot: rows.copy_slot(arena, slot, starts[i]))  # type: ignore[arg-type]
+                    lambda i, slot: rows.copy_slot(l1.data, slot, starts[i]))  # type: ignore[arg-type]
             else:
                 loaded = self._get_staged(hit, host_indices)
         finally:

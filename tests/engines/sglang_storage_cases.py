@@ -353,3 +353,20 @@ def test_storage_direct_read_of_corrupt_file_fails_that_page_and_every_later_one
     dim = reader.rows.dim
     later = target[3 * PAGE :].long()  # pages after the failed one were never touched
     assert torch.equal(before.index_select(dim, later), reader.mem_pool_host.kv_buffer.index_select(dim, later))
+
+
+def test_storage_direct_writes_shared_with_save_threads_store_every_page_once(tmp_path, storages):
+    """Scenario: a direct set fans its page writes out to the save threads; every page is
+    written once, committed once, and reads back exactly."""
+    import torch
+
+    s = make_storage(tmp_path, l1=SMALL_L1, saves={"threads": 3})
+    storages.append(s)
+    pool = s.mem_pool_host
+    keys = sglang_keys(23, 8)
+    want = [_page(pool, i * PAGE) for i in range(8)]
+    assert s.batch_set_v1(keys, _pages(pool, 0, 8), _info([])) == [True] * 8
+    assert _counter(s, "saved_blocks") == 8 and _counter(s, "l2_bytes_written") == 8 * s.rows.page_bytes
+    assert len(list((tmp_path / "l2" / "blocks").glob("*/*"))) == 8  # no temp file left behind
+    assert s.batch_get_v1(keys, _pages(pool, 128, 8), _info([])) == [True] * 8
+    assert all(torch.equal(_page(pool, 128 + i * PAGE), want[i]) for i in range(8))
