@@ -19,9 +19,14 @@ reads them back with both: reads are right after writing, so both are served fro
 cache (warm), treated the same.
 
 kvstrata keeps an L1 (CPU arena) in front of its disk tier. For the disk-path comparison
-(``strata_sglang_*``) its L1 holds one batch only, so by the time a batch is read back it was
-evicted and comes from disk (checked with the store's counters). ``strata_sglang_default_*`` is
-configs/sglang.yaml's 2 GiB L1, where reads right after writes are L1 hits.
+(``strata_sglang_*``) its L1 holds one batch only, smaller than the host pool, so the adapter
+bypasses it: each page goes between the pool and its file with one ``pwritev``/``preadv`` over
+the page's runs and a streaming checksum, and every page read comes from disk (checked with the
+store's counters). Its sets write pages on the calling thread and its save thread together
+(``saves.threads: 1``, the default; file writes release the GIL), where ``HiCacheFile`` writes
+on the calling thread only; ``strata_set_writer_threads`` says how many. ``strata_sglang_default_*``
+is configs/sglang.yaml's 2 GiB L1, larger than this pool, so pages go through L1 and reads right
+after writes are L1 hits.
 
 ``python -m kvstrata.bench.store_sglang [--quick] --json`` runs it where sglang is importable;
 ``sglang_fields`` (called by ``kvstrata bench store``) runs that in ./.venv-sglang when this
@@ -165,6 +170,10 @@ class StrataSide:
             return 0
         return sum(self.backend.batch_get_v1(keys, host, info))
 
+    @property
+    def bypass_l1(self) -> bool:
+        return bool(self.backend.bypass_l1)
+
     def counter(self, name: str) -> int:
         return int(self.backend.store.counters.snapshot().get(name, 0))
 
@@ -194,6 +203,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         sides = {"file": FileSide(tmp / "file", pool),
                  "strata": StrataSide(tmp / "strata", pool, BATCH * page_bytes),
                  "strata_default": StrataSide(tmp / "strata-default", pool, "2GiB")}
+        bypass = {name: sides[name].bypass_l1 for name in ("strata", "strata_default")}
+        writers = sides["strata"].backend.store.config.saves.threads
         times: dict[str, dict[str, list[float]]] = {s: {"set": [], "get": []} for s in SIDES}
         from_disk = []
         for r in range(rounds + 1):  # round 0 warms allocators and staging buffers; not reported
@@ -237,6 +248,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "quick": quick, "pages": pages, "page_bytes": page_bytes, "batch_pages": BATCH, "rounds": rounds,
         "layout": "layer_first", "page_cache": "warm (reads right after writes, both sides)",
         "strata_l1_bytes": BATCH * page_bytes, "strata_pages_read_from_disk": from_disk,
+        "strata_bypass_l1": bypass["strata"], "strata_default_bypass_l1": bypass["strata_default"],
+        "strata_set_writer_threads": 1 + writers,
         "seconds": {n: {op: [round(x, 4) for x in v[op][1:]] for op in v} for n, v in times.items()}}
     if any(d != pages for d in from_disk):
         raise RuntimeError(f"strata reads did not all come from disk: {from_disk} of {pages}")
