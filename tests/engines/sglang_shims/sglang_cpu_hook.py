@@ -8,7 +8,10 @@ file (when ``SGLANG_USE_CPU_ENGINE=1``), and by tests that import SGLang in-proc
   parts register fake kernels for those two ops unconditionally);
 - patches SGLang's HiCache host pool right after its modules are imported
   (``sglang_cpu_patches``): no host-memory registration, no pinned memory, and torch-indexing
-  host<->device copies.
+  host<->device copies;
+- makes the CPU attention backend attend only the new tokens of an extend over a cached prefix,
+  as GPU backends do (upstream recomputes attention over the whole sequence, a floor that hides
+  every cache path).
 
 The third gap, the ``sgl_kernel`` package, is the pure-torch stand-in beside this file.
 """
@@ -79,4 +82,5 @@ def install() -> None:
     _AFTER["sglang.srt.mem_cache.pool_host.common"] = _patch("patch_common")
     _AFTER["sglang.srt.mem_cache.pool_host.mha"] = _patch("patch_mha")
     _AFTER["sglang.srt.mem_cache.pool_host.mla"] = _patch("patch_mla")
+    _AFTER["sglang.srt.layers.attention.torch_native_backend"] = _patch("patch_torch_native")
     sys.meta_path.insert(0, _Hook())

@@ -83,3 +83,56 @@ def patch_mha(module: ModuleType) -> None:
 def patch_mla(module: ModuleType) -> None:
     _unpinned(module.MLATokenToKVPoolHost)
     module.transfer_kv_direct = transfer_kv_direct
+
+
+def patch_torch_native(module: ModuleType) -> None:
+    """Extend attention over a cached prefix computes only the new queries.
+
+    Upstream ``TorchNativeAttnBackend._run_sdpa_forward_extend`` builds a query tensor as long as
+    the whole sequence (the prefix rows left uninitialised) and runs causal attention over all of
+    it, so a prefix hit costs as much attention as a cold prefill: about 3.5 s for 3,000 tokens of
+    the Qwen2-0.5B-shaped model here, which hides every cache path behind one floor. GPU backends
+    attend the new tokens only; this does the same with a bottom-right causal mask (none for one
+    new token). Requests without a prefix, with a sliding window or with an encoder take the
+    upstream path unchanged.
+    """
+    cls = module.TorchNativeAttnBackend
+    upstream = cls._run_sdpa_forward_extend
+
+    @functools.wraps(upstream)
+    def _run_sdpa_forward_extend(self: Any, query: torch.Tensor, output: torch.Tensor,
+                                 k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                                 extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
+                                 encoder_lens: Any = None, scaling: Any = None, enable_gqa: bool = False,
+                                 causal: bool = False, is_cross_attn: bool = False,
+                                 sliding_window_size: Any = None) -> torch.Tensor:
+        if (encoder_lens is not None or not causal or is_cross_attn
+                or (sliding_window_size is not None and sliding_window_size > -1)
+                or not bool((extend_prefix_lens > 0).any())):
+            return upstream(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                            seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens, scaling,
+                            enable_gqa, causal, is_cross_attn, sliding_window_size)
+        heads_first = query.movedim(0, query.dim() - 2)  # [heads, tokens, head_size]
+        start_q = 0
+        for i in range(seq_lens.shape[0]):
+            q_len, kv_len = int(extend_seq_lens[i]), int(seq_lens[i])
+            prefix = kv_len - q_len
+            q = heads_first[:, start_q : start_q + q_len, :]
+            tokens = req_to_token[req_pool_indices[i], :kv_len]
+            k = k_cache[tokens].movedim(0, query.dim() - 2)
+            v = v_cache[tokens].movedim(0, query.dim() - 2)
+            if not (q.dtype == k.dtype == v.dtype):
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            mask, is_causal = None, prefix == 0
+            if prefix and q_len > 1:  # query j sits at position prefix + j
+                mask = (torch.arange(kv_len, device=q.device)[None, :]
+                        <= prefix + torch.arange(q_len, device=q.device)[:, None])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=enable_gqa,
+                scale=scaling, is_causal=is_causal)
+            output[start_q : start_q + q_len] = out.squeeze(0).movedim(query.dim() - 2, 0)
+            start_q += q_len
+        return output
+
+    cls._run_sdpa_forward_extend = _run_sdpa_forward_extend
