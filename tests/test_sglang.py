@@ -307,6 +307,31 @@ def test_zero_copy_with_page_first_host_layout_is_served_from_storage(servers, t
 
 
 @needs_sglang_env
+def test_l1_smaller_than_host_pool_moves_pages_directly_and_never_serves_a_corrupt_page(servers, tmp_path):
+    """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight
+    between the pool and their files; a fresh server loads them, and stops at a damaged page."""
+    config = write_config(tmp_path / "direct.json", tmp_path / "l2", l1={"size": "4MiB"})
+    server = servers.get(config)
+    shared, damaged = _ids(8), _ids(9)
+    first_shared, _ = stored(server, shared, block_files(config))
+    first_damaged, files = stored(server, damaged, block_files(config))
+    assert "direct disk I/O" in server.log()
+    victim = sorted(files)[len(files) // 2]
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0x5A
+    victim.write_bytes(bytes(data))
+
+    server = servers.get(config, fresh=True)
+    again_shared = server.generate(shared)
+    again_damaged = server.generate(damaged)
+    assert storage_share(again_shared, shared) >= 0.9
+    assert again_shared["tokens"] == first_shared["tokens"]
+    assert again_damaged["storage"] < (len(damaged) // PAGE) * PAGE
+    assert again_damaged["tokens"] == first_damaged["tokens"]
+    assert "payload checksum mismatch" in server.log()
+
+
+@needs_sglang_env
 def test_bad_backend_config_stops_the_server_at_start_with_kvstrata_message(servers, tmp_path):
     config = write_config(tmp_path / "bad.json", tmp_path / "l2", l1={"size": "1GiB", "colour": "blue"})
     server = servers.start_failing(config)
