@@ -16,7 +16,10 @@ prefix), so no figure includes first-request overheads.
 - ``lmcache``: LMCache 0.5.6 in multiprocess mode (``LMCacheMPConnector`` and an ``lmcache server``),
   installed on first use into its own folder beside the venv, used only by those subprocesses.
 
-Outputs (``max_tokens`` 8, greedy) are compared across every configuration that ran. Every engine
+Outputs (``max_tokens`` 8, greedy) are compared across every configuration that ran. Engines run
+in float32 by default (``--dtype``): on random weights, bf16 rounding flips greedy tokens between
+any two compute paths, vLLM's own prefix hit against cold included, which would make that
+comparison meaningless. Every engine
 gets the same environment (``engine_env``): block size 128, eager mode, VLLM_CPU_OMP_THREADS_BIND=
 nobind, VLLM_ENABLE_V1_MULTIPROCESSING=0 by default: one process per engine, which on 2 cores gives
 medians within a few percent, where EngineCore's busy-polling beside the worker makes them vary
@@ -83,7 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="measurements per configuration")
     parser.add_argument("--output-tokens", type=int, default=8, help="greedy tokens compared")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list, subset of %(default)s")
-    parser.add_argument("--dtype", default="auto", help="model dtype of every engine (default: the model's)")
+    parser.add_argument("--dtype", default="float32",
+                        help="dtype of every vLLM engine (default %(default)s: random weights have near-tied "
+                        "logits, and in bf16 any change of compute path, vLLM's own prefix hit included, "
+                        "can flip a greedy token; 'auto' for the model's dtype)")
     parser.add_argument("--kv-space-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE (default 1, 2 over 200 MB)")
     parser.add_argument("--multiprocessing", type=int, choices=[0, 1], default=MULTIPROCESSING,
                         help="VLLM_ENABLE_V1_MULTIPROCESSING for every engine (default %(default)s)")
@@ -133,7 +139,7 @@ class Runner:
         self.args, self.work, self.env = args, work, {**os.environ, **engine_env(args)}
         self.base = {"model": str(Path(args.model).resolve()), "prompt": prompt, "warmup": warmup,
                      "block_size": BLOCK_SIZE, "output_tokens": args.output_tokens, "settle_s": 1.0,
-                     "dtype": getattr(args, "dtype", "auto")}
+                     "dtype": getattr(args, "dtype", "float32")}
 
     def engine(self, name: str, kv: dict | None, prefix_caching: bool, steps: list[str],
                extra_env: dict | None = None) -> dict:
