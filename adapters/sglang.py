@@ -445,8 +445,11 @@ class StrataStorage(HiCacheStorage):
         except BaseException:
             self.store.abort(res)
             raise
-        self.store.commit(res)
-        self.store.flush()  # the write-through commit queued
+        if self.store.direct_writes:  # written through before returning, by this and the save threads
+            self.store.commit_written(res)
+        else:
+            self.store.commit(res)
+            self.store.flush()  # the write-through commit queued
 
     def _put(self, keys: Sequence[str], payloads: torch.Tensor | Sequence[torch.Tensor],
              extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
