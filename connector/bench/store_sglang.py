@@ -22,11 +22,11 @@ kvstrata keeps an L1 (CPU arena) in front of its disk tier. For the disk-path co
 (``strata_sglang_*``) its L1 holds one batch only, smaller than the host pool, so the adapter
 bypasses it: each page goes between the pool and its file with one ``pwritev``/``preadv`` over
 the page's runs and a streaming checksum, and every page read comes from disk (checked with the
-store's counters). Its sets write pages on the calling thread and its save thread together
-(``saves.threads: 1``, the default; file writes release the GIL), where ``HiCacheFile`` writes
-on the calling thread only; ``strata_set_writer_threads`` says how many. ``strata_sglang_default_*``
-is configs/sglang.yaml's 2 GiB L1, larger than this pool, so pages go through L1 and reads right
-after writes are L1 hits.
+store's counters). ``strata_sglang_default_*`` is configs/sglang.yaml's 2 GiB L1, larger than
+this pool, so pages go through L1 and reads right after writes are L1 hits. Both kvstrata sides
+write their files on the calling thread and the save thread together (``saves.threads: 1``, the
+default; file writes release the GIL), where ``HiCacheFile`` writes on the calling thread only;
+``strata_set_writer_threads`` says how many.
 
 ``python -m kvstrata.bench.store_sglang [--quick] --json`` runs it where sglang is importable;
 ``sglang_fields`` (called by ``kvstrata bench store``) runs that in ./.venv-sglang when this
