@@ -602,3 +602,28 @@ def test_lookup_hits_the_longest_stored_prefix(shared_pair, base, stored, querie
             assert_payloads_match(hit.chain.keys, out, n, 64)
     # the reference model assumes nothing is ever evicted
     assert writer.counters.get("l1_evicted") == reader.counters.get("l1_evicted") == 0
+
+
+def test_arena_prefaulter_tops_up_only_when_half_of_the_headroom_is_used(tmp_path, monkeypatch):
+    """Pages are mapped ahead of the slots in use, in large top-ups: never a little on every new
+    slot, which would put page population inside the request that uses the slot."""
+    import time
+
+    from kvstrata.tiers.memory import Prefaulter, create_shared_arena
+
+    monkeypatch.setattr(Prefaulter, "AHEAD", 8 << 20)
+    monkeypatch.setattr(Prefaulter, "CHUNK", 1 << 20)
+    arena, pre = create_shared_arena(str(tmp_path / "arena"), 64, 1 << 20)  # 64 MiB
+    assert pre._target == 8 << 20
+    pre.ahead_of(3 << 20)  # 5 MiB still mapped ahead: more than half of AHEAD
+    assert pre._target == 8 << 20
+    pre.ahead_of(5 << 20)  # 3 MiB left: top up to 8 MiB beyond the offset
+    assert pre._target == 13 << 20
+    pre.ahead_of(100 << 20)  # never beyond the arena
+    assert pre._target == 64 << 20
+    deadline = time.monotonic() + 10
+    while pre._done < pre._target and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pre._done == 64 << 20
+    arena[63].fill_(1)  # still an ordinary, writable mapping
+    assert int(arena[63].sum()) == 1 << 20
