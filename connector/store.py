@@ -21,10 +21,11 @@ the index, so a reader never sees a partial block.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import Counter
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -210,11 +211,7 @@ class BlockStore:
         keys = hit.chain.keys
         if not keys:
             return 0
-        rows = self.index.rows_of(keys)
-        gone = np.flatnonzero(rows < 0)
-        usable = int(gone[0]) if len(gone) else len(keys)
-        lease = self.index.pin(rows[:usable]) if hit.lease is None and usable else None
-        try:
+        with self._leading(hit) as (rows, usable):
             bits = self.index.tiers_of(rows[:usable])
             slots = self.l1.slots_of(keys[:usable])
             run = 0
@@ -226,13 +223,27 @@ class BlockStore:
             if run < usable:
                 outs = [out[i] for i in range(run, usable)]
                 usable = run + self._fetch(rows[run:usable], outs, promote=True)
-            if usable < len(keys):
-                self.counters.inc("load_failures")
-                self.counters.inc("load_failed_blocks", len(keys) - usable)
+            self._count_failures(usable, len(keys))
             return usable
+
+    @contextlib.contextmanager
+    def _leading(self, hit: Hit) -> Iterator[tuple[np.ndarray, int]]:
+        """The index rows of the hit's keys and how many lead with no missing one; those stay
+        pinned inside the block (unless the hit holds a lease already)."""
+        rows = self.index.rows_of(hit.chain.keys)
+        gone = np.flatnonzero(rows < 0)
+        usable = int(gone[0]) if len(gone) else len(rows)
+        lease = self.index.pin(rows[:usable]) if hit.lease is None and usable else None
+        try:
+            yield rows, usable
         finally:
             if lease is not None:
                 self.index.unpin(lease)
+
+    def _count_failures(self, loaded: int, wanted: int) -> None:
+        if loaded < wanted:
+            self.counters.inc("load_failures")
+            self.counters.inc("load_failed_blocks", wanted - loaded)
 
     def _fetch(self, rows: np.ndarray, outs: list[torch.Tensor], promote: bool) -> int:
         """Read blocks into ``outs``: from L1 where resident, else from the first backing tier
@@ -468,11 +479,7 @@ class BlockStore:
         keys = hit.chain.keys
         if not keys:
             return 0
-        rows = self.index.rows_of(keys)
-        gone = np.flatnonzero(rows < 0)
-        usable = int(gone[0]) if len(gone) else len(keys)
-        lease = self.index.pin(rows[:usable]) if hit.lease is None and usable else None
-        try:
+        with self._leading(hit) as (rows, usable):
             bits = self.index.tiers_of(rows[:usable]).tolist()
             slots = self.l1.slots_of(keys[:usable])
             l2_bit = self.l2.bit if self.l2 is not None else 0
@@ -496,13 +503,8 @@ class BlockStore:
                 self.counters.inc("hit_blocks_l2", n - from_mem)
             if n < usable and self.remote is not None:
                 n += self._load_staged(Hit(hit.ns, hit.epoch, _slice(hit.chain, n, usable), [], None), n, from_l1)
-            if n < len(keys):
-                self.counters.inc("load_failures")
-                self.counters.inc("load_failed_blocks", len(keys) - n)
+            self._count_failures(n, len(keys))
             return n
-        finally:
-            if lease is not None:
-                self.index.unpin(lease)
 
     def _load_staged(self, rest: Hit, first: int, from_l1: Callable[[int, int], None]) -> int:
         """Stage ``rest`` through L1 (other tiers), then copy it out; its rows are pinned."""
