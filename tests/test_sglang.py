@@ -243,21 +243,21 @@ def test_other_extra_key_or_cache_salt_never_hits_another_tenants_pages(servers,
     assert first["tokens"] == other["tokens"] == salted["tokens"] == again["tokens"]
 
 
-@needs_sglang_env
-def test_second_server_hits_what_the_first_stored_and_never_serves_a_corrupt_page(servers, v1_config):
-    """Scenario: a fresh process on the same disk tier; one page of the second prompt is damaged
-    on disk. The first prompt loads fully; the second loads up to the damaged page and the
-    request still gives the same output."""
-    server = servers.get(v1_config)
-    shared, damaged = _ids(3), _ids(4)
-    first_shared, _ = stored(server, shared, block_files(v1_config))
-    first_damaged, files = stored(server, damaged, block_files(v1_config))
+def _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, seeds: tuple[int, int], path: str) -> None:
+    """Two prompts stored by one server (through ``path``: its log line), one page of the second
+    damaged on disk; a fresh server on the same disk tier loads the first fully, the second up to
+    the damaged page, and gives the same outputs."""
+    server = servers.get(config)
+    shared, damaged = _ids(seeds[0]), _ids(seeds[1])
+    first_shared, _ = stored(server, shared, block_files(config))
+    first_damaged, files = stored(server, damaged, block_files(config))
+    assert path in server.log()
     victim = sorted(files)[len(files) // 2]
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0x5A
     victim.write_bytes(bytes(data))
 
-    server = servers.get(v1_config, fresh=True)
+    server = servers.get(config, fresh=True)
     again_shared = server.generate(shared)
     again_damaged = server.generate(damaged)
     assert storage_share(again_shared, shared) >= 0.9
@@ -265,6 +265,12 @@ def test_second_server_hits_what_the_first_stored_and_never_serves_a_corrupt_pag
     assert again_damaged["storage"] < (len(damaged) // PAGE) * PAGE
     assert again_damaged["tokens"] == first_damaged["tokens"]
     assert "payload checksum mismatch" in server.log()
+
+
+@needs_sglang_env
+def test_second_server_hits_what_the_first_stored_and_never_serves_a_corrupt_page(servers, v1_config):
+    """Scenario: a fresh process on the same disk tier; one page of the second prompt is damaged."""
+    _fresh_server_hits_and_stops_at_a_damaged_page(servers, v1_config, (3, 4), "through L1")
 
 
 @needs_sglang_env
@@ -311,24 +317,7 @@ def test_l1_smaller_than_host_pool_moves_pages_directly_and_never_serves_a_corru
     """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight
     between the pool and their files; a fresh server loads them, and stops at a damaged page."""
     config = write_config(tmp_path / "direct.json", tmp_path / "l2", l1={"size": "4MiB"})
-    server = servers.get(config)
-    shared, damaged = _ids(8), _ids(9)
-    first_shared, _ = stored(server, shared, block_files(config))
-    first_damaged, files = stored(server, damaged, block_files(config))
-    assert "direct disk I/O" in server.log()
-    victim = sorted(files)[len(files) // 2]
-    data = bytearray(victim.read_bytes())
-    data[-100] ^= 0x5A
-    victim.write_bytes(bytes(data))
-
-    server = servers.get(config, fresh=True)
-    again_shared = server.generate(shared)
-    again_damaged = server.generate(damaged)
-    assert storage_share(again_shared, shared) >= 0.9
-    assert again_shared["tokens"] == first_shared["tokens"]
-    assert again_damaged["storage"] < (len(damaged) // PAGE) * PAGE
-    assert again_damaged["tokens"] == first_damaged["tokens"]
-    assert "payload checksum mismatch" in server.log()
+    _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, (8, 9), "direct disk I/O")
 
 
 @needs_sglang_env
