@@ -243,10 +243,10 @@ def test_other_extra_key_or_cache_salt_never_hits_another_tenants_pages(servers,
     assert first["tokens"] == other["tokens"] == salted["tokens"] == again["tokens"]
 
 
-def _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, seeds: tuple[int, int], path: str) -> None:
+def _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, seeds: tuple[int, int], path: str) -> str:
     """Two prompts stored by one server (through ``path``: its log line), one page of the second
     damaged on disk; a fresh server on the same disk tier loads the first fully, the second up to
-    the damaged page, and gives the same outputs."""
+    the damaged page, and gives the same outputs. Returns the fresh server's log."""
     server = servers.get(config)
     shared, damaged = _ids(seeds[0]), _ids(seeds[1])
     first_shared, _ = stored(server, shared, block_files(config))
@@ -264,13 +264,14 @@ def _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, seeds: tuple
     assert again_shared["tokens"] == first_shared["tokens"]
     assert again_damaged["storage"] < (len(damaged) // PAGE) * PAGE
     assert again_damaged["tokens"] == first_damaged["tokens"]
-    assert "payload checksum mismatch" in server.log()
+    return server.log()
 
 
 @needs_sglang_env
 def test_second_server_hits_what_the_first_stored_and_never_serves_a_corrupt_page(servers, v1_config):
     """Scenario: a fresh process on the same disk tier; one page of the second prompt is damaged."""
-    _fresh_server_hits_and_stops_at_a_damaged_page(servers, v1_config, (3, 4), "through L1")
+    log = _fresh_server_hits_and_stops_at_a_damaged_page(servers, v1_config, (3, 4), "through L1")
+    assert "payload checksum mismatch" in log
 
 
 @needs_sglang_env
@@ -317,7 +318,8 @@ def test_l1_smaller_than_host_pool_moves_pages_directly_and_never_serves_a_corru
     """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight
     between the pool and their files; a fresh server loads them, and stops at a damaged page."""
     config = write_config(tmp_path / "direct.json", tmp_path / "l2", l1={"size": "4MiB"})
-    _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, (8, 9), "direct disk I/O")
+    log = _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, (8, 9), "direct disk I/O")
+    assert "payload checksum mismatch" in log
 
 
 @needs_sglang_env
