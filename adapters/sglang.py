@@ -157,10 +157,6 @@ class PageRows:
             held = self._local.rows = torch.empty((n, self.page_bytes), dtype=torch.uint8)
         return held[:n]
 
-    def page_starts(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
-        """First token of each of ``n`` pages, or None when some page is not one run of tokens."""
-        return self._starts(host_indices, n)
-
     def runs(self, start: int) -> list[memoryview]:
         """The page starting at token ``start`` as writable byte runs of the pool buffer, in the
         order of its stored bytes (``get_data_page(start, flat=True)``); needs ``direct``."""
@@ -173,7 +169,7 @@ class PageRows:
         self._raw[self._lead + (slice(start, start + self.page_size),)] = \
             arena.numpy()[slot, : self.page_bytes].reshape(self._raw_page)
 
-    def _starts(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
+    def page_starts(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
         """First token of each page, or None when some page is not one contiguous run."""
         tokens = host_indices[: n * self.page_size].to(torch.long).view(n, self.page_size)
         if not torch.equal(tokens - tokens[:, :1], self._ramp.expand(n, -1)):
@@ -183,7 +179,7 @@ class PageRows:
     def gather(self, host_indices: torch.Tensor, n: int) -> torch.Tensor:
         """Pages starting at ``host_indices[i * page_size]`` as staging rows."""
         rows = self.staging(n)
-        starts = self._starts(host_indices, n)
+        starts = self.page_starts(host_indices, n)
         if starts is None:
             tokens = host_indices[: n * self.page_size].to(torch.long)
             pages = self.buf.index_select(self.dim, tokens).unflatten(self.dim, (n, self.page_size))
@@ -198,7 +194,7 @@ class PageRows:
                     host_indices: torch.Tensor, n: int) -> None:
         """Copy page ``pages[i]`` of ``host_indices`` (``n`` pages) into ``arena[slots[i]]``:
         one copy, no staging rows."""
-        starts = self._starts(host_indices, n)
+        starts = self.page_starts(host_indices, n)
         dst = arena.numpy()
         if starts is None:
             rows = self.gather(host_indices, n)
@@ -215,21 +211,19 @@ class PageRows:
         n = len(slots)
         if not n:
             return
-        starts = self._starts(host_indices, n)
+        starts = self.page_starts(host_indices, n)
         if starts is None:
             self.scatter(arena[torch.tensor(slots, dtype=torch.long), : self.page_bytes], host_indices)
             return
-        src = arena.numpy()
         for slot, start in zip(slots, starts):
-            self._raw[self._lead + (slice(start, start + self.page_size),)] = \
-                src[slot, : self.page_bytes].reshape(self._raw_page)
+            self.copy_slot(arena, slot, start)
 
     def scatter(self, rows: torch.Tensor, host_indices: torch.Tensor) -> None:
         """Write ``rows`` (``[n, page_bytes]`` uint8) to the pages at ``host_indices``."""
         n = rows.shape[0]
         if not n:
             return
-        starts = self._starts(host_indices, n)
+        starts = self.page_starts(host_indices, n)
         if starts is None:
             tokens = host_indices[: n * self.page_size].to(torch.long)
             pages = rows.view(self.buf.dtype).view(n, *self.page_shape).movedim(0, self.dim)

@@ -403,25 +403,13 @@ class BlockStore:
         self.counters.inc("saved_blocks", len(stored))
         if not stored:
             return 0
-        l2, data = self.l2, self.l1.data
+        data = self.l1.data
         assert data is not None
-        lease = self.index.pin(np.array([row for _meta, row in stored], np.int64))
-        try:  # slots looked up under the pin: one evicted before it is skipped, never misread
-            slots = self.l1.slots_of([meta.key for meta, _row in stored])
-            todo = [(meta, slot) for (meta, _row), slot in zip(stored, slots) if slot is not None]
-            metas = [meta for meta, _slot in todo]
-            ok = [False] * len(todo)
-
-            def write(k: int) -> None:
-                parts = [memoryview(data[todo[k][1], : metas[k].size].numpy())]
-                metas[k] = metas[k]._replace(checksum=payload_checksum_of(parts))
-                ok[k] = l2.write_views(metas[k], parts)
-
-            self._fan_out(len(todo), write)
-        finally:
-            self.index.unpin(lease)
-        self.index.commit_many([meta for meta, good in zip(metas, ok) if good], l2.bit)
-        self._enforce_capacity(l2)
+        with self._pinned_slots(stored) as todo:
+            written = self._write_l2_now([meta for meta, _slot in todo],
+                                         lambda k: [memoryview(data[todo[k][1], : todo[k][0].size].numpy())])
+        self.index.commit_many(written, self.l2.bit)
+        self._enforce_capacity(self.l2)
         return len(stored)
 
     def abort(self, res: Reservation) -> None:
@@ -524,21 +512,27 @@ class BlockStore:
         written by this thread and idle save threads together (``_fan_out``); ``src`` must stay
         unchanged until this returns. Returns how many blocks were stored."""
         assert self.l2 is not None and self.direct_writes, "put_direct needs L2 write-through"
-        l2 = self.l2
         todo, metas = self._metas(ns, epoch, chain, size)
-        ok = [False] * len(todo)
+        done = self._write_l2_now(metas, lambda k: src(todo[k]))
+        stored = sum(row is not None for row in self.index.commit_many(done, self.l2.bit)) if done else 0
+        self.counters.inc("saved_blocks", stored)
+        self._enforce_capacity(self.l2)
+        return stored
+
+    def _write_l2_now(self, metas: list[EntryMeta], parts_of: Callable[[int], Sequence[memoryview]]) -> list[EntryMeta]:
+        """Write block k (its bytes are the runs ``parts_of(k)``, checksummed as they stream) to
+        L2 for every k, on this thread and the save threads together (``_fan_out``). Returns the
+        metas written, with their checksums; the caller commits them."""
+        assert self.l2 is not None
+        l2, metas, ok = self.l2, list(metas), [False] * len(metas)
 
         def write(k: int) -> None:
-            parts = src(todo[k])
+            parts = parts_of(k)
             metas[k] = metas[k]._replace(checksum=payload_checksum_of(parts))
             ok[k] = l2.write_views(metas[k], parts)
 
-        self._fan_out(len(todo), write)
-        done = [meta for meta, good in zip(metas, ok) if good]
-        stored = sum(row is not None for row in self.index.commit_many(done, l2.bit)) if done else 0
-        self.counters.inc("saved_blocks", stored)
-        self._enforce_capacity(l2)
-        return stored
+        self._fan_out(len(metas), write)
+        return [meta for meta, good in zip(metas, ok) if good]
 
     def _fan_out(self, n: int, fn: Callable[[int], None]) -> None:
         """Run ``fn(0)`` .. ``fn(n - 1)`` on this thread and up to ``saves.threads`` save threads,
@@ -602,17 +596,23 @@ class BlockStore:
             tiers = [self.remote] if self.remote is not None else []
         if not stored or tiers == []:
             return
-        rows = np.array([row for _, row in stored], np.int64)
-        lease = self.index.pin(rows)  # keep the L1 copies while they are written out
-        try:
-            slots = self.l1.slots_of([meta.key for meta, _ in stored])
-            todo = [(meta, slot) for (meta, _), slot in zip(stored, slots) if slot is not None]
+        with self._pinned_slots(stored) as todo:
             if todo and self.l1.data is not None:
                 self.write_backing([m for m, _ in todo], [self.l1.data[s, : m.size] for m, s in todo], tiers)
-        finally:
-            self.index.unpin(lease)
         for tier in self.backing:  # blocks pinned during the write could not be evicted then
             self._enforce_capacity(tier)
+
+    @contextlib.contextmanager
+    def _pinned_slots(self, stored: list[tuple[EntryMeta, int]]) -> Iterator[list[tuple[EntryMeta, int]]]:
+        """``(meta, L1 slot)`` of the committed blocks still in L1, pinned inside the block so they
+        are not evicted while written out (slots looked up under the pin: a block evicted before
+        it is skipped, never misread)."""
+        lease = self.index.pin(np.array([row for _, row in stored], np.int64))
+        try:
+            slots = self.l1.slots_of([meta.key for meta, _ in stored])
+            yield [(meta, slot) for (meta, _), slot in zip(stored, slots) if slot is not None]
+        finally:
+            self.index.unpin(lease)
 
     def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor],
                       tiers: list[BlockTier] | None = None) -> int:
