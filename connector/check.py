@@ -64,6 +64,7 @@ def check_disk(root: Path, fix: bool = False, progress: bool = True) -> dict[str
 def _orphan_markers(root: Path, fix: bool) -> int:
     """Markers ("a partial block of N tokens follows parent") whose block file is gone."""
     parents: set[tuple[str, int]] = set()
+    keys: set[str] = set()
     for path in (root / "blocks").glob("*/*.kvb"):
         try:
             with open(path, "rb") as f:
@@ -72,9 +73,12 @@ def _orphan_markers(root: Path, fix: bool) -> int:
             continue
         if meta.tail:
             parents.add((meta.parent.hex(), meta.ntok))
+            keys.add(meta.key.hex())
     orphans = 0
     for marker in (root / "tails").glob("*/*/*"):
-        if (marker.parent.name, int(marker.name) if marker.name.isdigit() else -1) not in parents:
+        ntok, _, key = marker.name.partition(".")
+        alive = key in keys if key else (marker.parent.name, int(ntok) if ntok.isdigit() else -1) in parents
+        if not alive:
             orphans += 1
             if fix:
                 marker.unlink(missing_ok=True)

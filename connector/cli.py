@@ -55,12 +55,12 @@ def stats(args: argparse.Namespace) -> int:
         table.add_row(name, str(t["blocks"]), str(t["bytes"]), str(t["capacity_bytes"]))
     console.print(table)
     spaces = Table(title="namespaces")
-    for col in ("namespace", "epoch", "current epoch", "blocks", "bytes"):
+    for col in ("namespace", "generation", "current generation", "blocks", "bytes"):
         spaces.add_column(col)
     current = data["current_epochs"]
     for ns, epochs in data["namespaces"].items():  # type: ignore[union-attr]
         for epoch, v in sorted(epochs.items()):
-            spaces.add_row(ns, epoch, str(current.get(ns, 0)), str(v["blocks"]), str(v["bytes"]))  # type: ignore[union-attr]
+            spaces.add_row(ns, epoch, str(current.get(ns, "-")), str(v["blocks"]), str(v["bytes"]))  # type: ignore[union-attr]
     console.print(spaces)
     console.print({"counters": data["counters"]})
     return 0
@@ -90,7 +90,7 @@ def invalidate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         for ns in wanted:
-            print(f"{ns}: epoch {store.invalidate(known[ns])}")
+            print(f"{ns}: new generation {store.invalidate(known[ns]):016x}")
     return 0
 
 
@@ -148,6 +148,13 @@ def bench_decode(args: argparse.Namespace) -> int:
 @command("bench serve")
 def bench_serve(args: argparse.Namespace) -> int:
     from .bench.serve import run
+
+    return run(args)
+
+
+@command("bench identity")
+def bench_identity(args: argparse.Namespace) -> int:
+    from .bench.identity import run
 
     return run(args)
 
@@ -222,6 +229,9 @@ def _parser() -> argparse.ArgumentParser:
     from .bench.serve import add_arguments as serve_arguments
 
     serve_arguments(bench.add_parser("serve", help="trace replay against real servers, beside the baselines"))
+    from .bench.identity import add_arguments as identity_arguments
+
+    identity_arguments(bench.add_parser("identity", help="model identity cost at start: cold and cached"))
     br = bench.add_parser("remote", help="the Redis tier beside raw redis-py, invalidation latency")
     br.add_argument("--url", default=None, help="an existing server (default: start a private one)")
     br.add_argument("--quick", action="store_true")

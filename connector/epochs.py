@@ -1,58 +1,174 @@
 """Namespace epochs: bumping one hides every older entry of that namespace at once.
 
-The epoch is part of block -1's key (see keys.root_key), so after a bump no key of the old epoch
-is ever computed again, and the index also rejects any entry whose epoch differs. Where the epoch
-lives decides who sees a bump: ``MemoryEpochs`` (this process), ``FileEpochs`` (every process
-sharing a folder: one small file per namespace, replaced atomically, checked with one stat()).
+An epoch is a *generation*: a random non-zero 64-bit id, not a counter. The current generation is
+part of block -1's key (see keys.root_key), so after a bump no key of an older generation is ever
+computed again, and the index also rejects any entry whose generation differs. Generations are
+compared for equality only; they have no order.
+
+Why random ids and not a counter: epoch state can be lost (an evicted or deleted Redis key, a Redis
+restart without persistence, ``FLUSHDB``, a deleted ``epochs/`` folder). A counter then restarts at
+0 and hands out values that already had blocks, which makes invalidated blocks valid again. A lost
+generation is replaced by a fresh random one (created with an atomic create-if-absent, so every
+process sharing the state agrees on it): state loss costs hits, never correctness. A 64-bit random
+id recurs with probability 2^-64 per bump.
+
+The remaining way back is a *restore* of old state (a backup of the epochs folder, a Redis snapshot
+taken before a bump). Every store therefore remembers the generations it has seen replaced
+(``retired``, bounded, and kept on disk where the store has a folder: the local floor) and treats a
+retired generation read back as lost state: it is replaced by a fresh one.
+
+Where the generation lives decides who sees a bump: ``MemoryEpochs`` (this process),
+``FileEpochs`` (every process sharing a folder: one small file per namespace, replaced atomically,
+checked with one stat() per lookup), ``RedisEpochs`` in ``tiers/redis.py`` (every instance sharing
+the Redis).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+MAX_GENERATION = (1 << 64) - 1
+_KEEP_RETIRED = 64  # generations remembered per namespace; a restore older than that goes unseen
+
+
+def new_generation() -> int:
+    """A fresh random generation id in [1, 2^64)."""
+    return int.from_bytes(os.urandom(8), "little") or 1
+
+
+def parse_generation(raw: object) -> int | None:
+    """A stored generation (bytes or str of decimal digits) as an int, None if it is not one."""
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            raw = raw.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(raw, str):
+        return None
+    text = raw.strip()
+    if not text.isdigit() or len(text) > 20:
+        return None
+    value = int(text)
+    return value if 0 < value <= MAX_GENERATION else None
+
+
+class Retired:
+    """Generations seen replaced, per namespace (bounded), optionally persisted in a folder.
+
+    The persisted file (``<root>/<seed hex>.retired``, one id per line) is the local floor: it
+    survives a restart and the loss of the shared state, so a restored old generation is refused
+    even by a freshly started process that shares this folder.
+    """
+
+    def __init__(self, root: Path | None = None) -> None:
+        self._root = root
+        self._lock = threading.Lock()
+        self._ids: dict[bytes, deque[int]] = {}
+
+    def _file(self, ns_seed: bytes) -> Path | None:
+        return None if self._root is None else self._root / f"{ns_seed.hex()}.retired"
+
+    def _load(self, ns_seed: bytes) -> deque[int]:
+        ids = self._ids.get(ns_seed)
+        if ids is None:
+            ids = self._ids[ns_seed] = deque(maxlen=_KEEP_RETIRED)
+            path = self._file(ns_seed)
+            if path is not None:
+                try:
+                    text = path.read_text(encoding="ascii", errors="replace")
+                except OSError:
+                    text = ""
+                for line in text.splitlines()[-_KEEP_RETIRED:]:
+                    value = parse_generation(line)
+                    if value is not None:
+                        ids.append(value)
+        return ids
+
+    def __contains__(self, item: tuple[bytes, int]) -> bool:
+        ns_seed, gen = item
+        with self._lock:
+            return gen in self._load(ns_seed)
+
+    def add(self, ns_seed: bytes, gen: int) -> None:
+        with self._lock:
+            ids = self._load(ns_seed)
+            if gen in ids:
+                return
+            ids.append(gen)
+            path = self._file(ns_seed)
+            if path is None:
+                return
+            text = "".join(f"{g}\n" for g in ids)
+        try:
+            _write_atomic(path, text)
+        except OSError as e:  # the floor is a second line of defence: never fail a lookup on it
+            log.warning("kvstrata epochs: cannot record retired generation in %s: %s", path, e)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
 
 
 class EpochStore(ABC):
+    """Current generation per namespace. ``get`` never returns a retired generation."""
+
     @abstractmethod
     def get(self, ns_seed: bytes) -> int:
-        """Current epoch of a namespace (0 if never bumped)."""
+        """Current generation of a namespace, created (atomically) if there is none."""
 
     @abstractmethod
     def bump(self, ns_seed: bytes) -> int:
-        """Advance the epoch; returns the new value."""
+        """Replace the generation by a fresh one; returns it."""
 
     def known(self) -> list[bytes]:
-        """Namespace seeds this store has an epoch for."""
+        """Namespace seeds this store has a generation for."""
         return []
 
     def close(self) -> None:
-        """Stop background work (subscribers); epochs already written stay."""
+        """Stop background work (subscribers); generations already written stay."""
 
 
 class MemoryEpochs(EpochStore):
+    """Generations of this process only (no tier outlives it)."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._epochs: dict[bytes, int] = {}
 
     def get(self, ns_seed: bytes) -> int:
-        return self._epochs.get(ns_seed, 0)
+        with self._lock:
+            gen = self._epochs.get(ns_seed)
+            if gen is None:
+                gen = self._epochs[ns_seed] = new_generation()
+            return gen
 
     def bump(self, ns_seed: bytes) -> int:
         with self._lock:
-            self._epochs[ns_seed] = self._epochs.get(ns_seed, 0) + 1
-            return self._epochs[ns_seed]
+            gen = self._epochs[ns_seed] = new_generation()
+            return gen
 
     def known(self) -> list[bytes]:
-        return list(self._epochs)
+        with self._lock:
+            return list(self._epochs)
 
 
 class FileEpochs(EpochStore):
-    """``<root>/<seed hex>``: the epoch as text. Readers re-read only when stat() shows a change.
+    """``<root>/<seed hex>``: the generation as decimal text, re-read only when stat() changes.
 
-    No locks (NFS has none): two concurrent bumps may both write old+1, which still hides every
-    older entry; that is all a bump has to do.
+    A missing file is created with ``link()`` of a complete temp file, which fails if another
+    process created it first (no locks: NFS has none), so concurrent creators agree. Two
+    concurrent bumps both replace the file; the last one wins, and both hide every older entry,
+    which is all a bump has to do. A file that does not hold a valid generation, or holds a
+    retired one, is lost state and is replaced by a fresh generation.
     """
 
     def __init__(self, root: Path) -> None:
@@ -60,38 +176,76 @@ class FileEpochs(EpochStore):
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._cache: dict[bytes, tuple[tuple[int, int, int], int]] = {}
+        self.retired = Retired(root)
 
     def _path(self, ns_seed: bytes) -> Path:
         return self._root / ns_seed.hex()
 
     def get(self, ns_seed: bytes) -> int:
         path = self._path(ns_seed)
+        for _ in range(8):  # a concurrent create or replace: read again
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                self._create(path)
+                continue
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._cache.get(ns_seed)
+            if cached and cached[0] == stamp:
+                return cached[1]
+            try:
+                raw = path.read_bytes()[:64]
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("kvstrata epochs: cannot read %s: %s", path, e)
+                return cached[1] if cached else self._replace(ns_seed, None)
+            gen = parse_generation(raw)
+            if gen is None or (ns_seed, gen) in self.retired:
+                what = "a retired generation" if gen is not None else f"no valid generation ({raw[:32]!r})"
+                log.warning("kvstrata epochs: %s holds %s; starting a new generation "
+                            "(older blocks of this namespace become misses)", path, what)
+                self._replace(ns_seed, gen)
+                continue
+            with self._lock:
+                previous = self._cache.get(ns_seed)
+                self._cache[ns_seed] = (stamp, gen)
+            if previous and previous[1] != gen:
+                self.retired.add(ns_seed, previous[1])
+            return gen
+        raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable generation")
+
+    def _create(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.new")
+        tmp.write_text(f"{new_generation()}\n")
+        os.chmod(tmp, 0o600)
         try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return 0
-        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        cached = self._cache.get(ns_seed)
-        if cached and cached[0] == stamp:
-            return cached[1]
-        try:
-            value = int(path.read_text().strip() or 0)
-        except (OSError, ValueError):
-            return cached[1] if cached else 0
-        with self._lock:
-            self._cache[ns_seed] = (stamp, value)
-        return value
+            os.link(tmp, path)  # atomic create-if-absent: the first creator wins
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _replace(self, ns_seed: bytes, old: int | None) -> int:
+        if old is not None:
+            self.retired.add(ns_seed, old)
+        gen = new_generation()
+        _write_atomic(self._path(ns_seed), f"{gen}\n")
+        return gen
 
     def bump(self, ns_seed: bytes) -> int:
+        old = self.get(ns_seed)
+        gen = self._replace(ns_seed, old)
         with self._lock:
             self._cache.pop(ns_seed, None)
-        value = self.get(ns_seed) + 1
-        path = self._path(ns_seed)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(f"{value}\n")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-        return value
+        return gen
 
     def known(self) -> list[bytes]:
-        return [bytes.fromhex(p.name) for p in self._root.iterdir() if not p.name.startswith(".")]
+        out = []
+        for p in self._root.iterdir():
+            if len(p.name) == 32 and not p.name.startswith("."):
+                try:
+                    out.append(bytes.fromhex(p.name))
+                except ValueError:
+                    pass
+        return out

@@ -11,8 +11,13 @@ Primitives:
 - ``commit(...)``: publish a block whose payload is already complete in a tier. Same key committed
   twice keeps the first (the content is the same by construction); a colliding key with a different
   chain is dropped, never overwritten.
-- ``pin(rows)`` / ``unpin(lease)``: reference counts with a lease deadline, so a caller that dies or
-  forgets can never protect blocks forever.
+- ``pin_keys(keys)`` / ``unpin(lease)``: look keys up and pin the leading run of them under one
+  lock acquisition. A pinned row keeps its key (it is never removed or reused, and its L1 slot is
+  never freed) until the pin goes; the lease deadline means a caller that dies or forgets can
+  never protect blocks forever. Looking rows up and pinning them under two acquisitions is the
+  race this closes: in between, the row can be freed and handed to another block.
+- ``metas(rows, keys)``: entry metadata of rows, checked against the keys asked for: every read of
+  a row verifies its key, so a stale row number can never serve another block.
 - ``lru_victims(tier, n)``: the least recently used unpinned rows of a tier.
 - ``drop_tier(row, tier)``: a tier lost its copy; the entry goes when no tier holds it.
 
@@ -67,7 +72,10 @@ class BlockIndex:
         self._next_lease = 1
         self._ns_ids: dict[bytes, int] = {}
         self._ns_seeds: list[bytes] = []
-        self._tails: dict[bytes, set[int]] = {}  # parent key -> lengths of stored partial children
+        # parent key -> {token count: number of stored partial children of that length}. Counted,
+        # not a set: two tails of one length under one parent (other tokens) are two entries, and
+        # evicting one must not hide the other.
+        self._tails: dict[bytes, dict[int, int]] = {}
         self._alloc(capacity)
 
     # ----------------------------------------------------------------- storage
@@ -79,12 +87,13 @@ class BlockIndex:
             "fp": np.zeros(capacity, np.uint64),
             "checksum": np.zeros(capacity, np.uint64),
             "last": np.zeros(capacity, np.uint64),
-            "epoch": np.zeros(capacity, np.uint32),
+            "epoch": np.zeros(capacity, np.uint64),  # the namespace generation (random u64)
             "size": np.zeros(capacity, np.uint32),
             "ntok": np.zeros(capacity, np.uint32),
             "ns": np.zeros(capacity, np.uint16),
             "pins": np.zeros(capacity, np.uint16),
             "tiers": np.zeros(capacity, np.uint8),
+            "tail": np.zeros(capacity, np.bool_),
         }
         for name, col in cols.items():
             if old:
@@ -153,7 +162,7 @@ class BlockIndex:
             & (self._parent[r, 1] == parent[1::2])
             & (self._fp[r] == np.fromiter(chain.fps[start:stop], np.uint64, n))
             & (self._ntok[r] == ntok)
-            & (self._epoch[r] == epoch)
+            & (self._epoch[r] == np.uint64(epoch))
             & (self._ns[r] == ns)
             & (self._tiers[r] != 0)
         )
@@ -163,21 +172,52 @@ class BlockIndex:
         return ok
 
     def rows_of(self, keys: list[bytes]) -> np.ndarray:
-        """Rows of keys validated by ``match`` (same order); -1 where the entry has gone since."""
-        kb = self._key_bytes
+        """Rows of keys validated by ``match`` (same order); -1 where the entry has gone since.
+        Unpinned rows can change owner right after this returns: to read them, use ``pin_keys``."""
         with self._lock:
-            get = self._rows.get
-            rows = np.array([get(k[:kb], -1) for k in keys], dtype=np.int64)
-            if kb < 16:  # a truncated key may now name a different block
-                for i, (k, row) in enumerate(zip(keys, rows)):
-                    if row >= 0 and self._key[row].tobytes() != k:
-                        rows[i] = -1
-            return rows
+            return self._rows_of(keys)
+
+    def _rows_of(self, keys: list[bytes]) -> np.ndarray:
+        kb = self._key_bytes
+        get = self._rows.get
+        rows = np.array([get(k[:kb], -1) for k in keys], dtype=np.int64)
+        found = rows >= 0
+        if found.any():  # the row must hold this very key (a truncated key may name another block)
+            full = np.frombuffer(b"".join(keys), np.uint64).reshape(len(keys), 2)
+            same = (self._key[rows[found]] == full[found]).all(1)
+            rows[np.flatnonzero(found)[~same]] = -1
+        return rows
+
+    def pin_keys(self, keys: list[bytes], lease_s: float | None = None, *,
+                 leading: bool = True) -> tuple[np.ndarray, int | None]:
+        """Rows of the leading run of ``keys`` that are indexed and held by some tier, pinned
+        together under one lock acquisition. Returns the rows and the lease (None when empty).
+        With ``leading=False``, every such key is pinned and the rows are aligned with ``keys``
+        (-1 where a key is not stored)."""
+        with self._lock:
+            rows = self._rows_of(keys)
+            held = rows >= 0
+            held[held] = self._tiers[rows[held]] != 0
+            if leading:
+                bad = np.flatnonzero(~held)
+                rows = rows[: bad[0]] if len(bad) else rows
+                pinned = rows
+            else:
+                rows[~held] = -1
+                pinned = rows[held]
+            if not len(pinned):
+                return rows, None
+            return rows, self._pin(pinned, lease_s)
 
     def tail_lengths(self, parent: bytes) -> list[int]:
         """Token counts of partial blocks stored after ``parent``, longest first."""
         with self._lock:
             return sorted(self._tails.get(parent, ()), reverse=True)
+
+    def has_tail(self, parent: bytes, ntok: int) -> bool:
+        """Whether some partial block of ``ntok`` tokens after ``parent`` is still indexed."""
+        with self._lock:
+            return ntok in self._tails.get(parent, ())
 
     def tiers_of(self, rows: np.ndarray) -> np.ndarray:
         with self._lock:
@@ -186,6 +226,15 @@ class BlockIndex:
     def meta(self, row: int) -> EntryMeta:
         with self._lock:
             return self._meta(row)
+
+    def metas(self, rows: np.ndarray, keys: list[bytes]) -> list[EntryMeta | None]:
+        """``meta`` of each row, or None where the row no longer holds the key asked for."""
+        with self._lock:
+            out: list[EntryMeta | None] = []
+            for row, key in zip(rows.tolist(), keys):
+                meta = self._meta(row) if row >= 0 else None
+                out.append(meta if meta is not None and meta.key == key and self._tiers[row] else None)
+            return out
 
     def _meta(self, row: int) -> EntryMeta:
         parent = self._parent[row].tobytes()
@@ -198,7 +247,7 @@ class BlockIndex:
             epoch=int(self._epoch[row]),
             size=int(self._size[row]),
             checksum=int(self._checksum[row]),
-            tail=int(self._ntok[row]) in self._tails.get(parent, ()),
+            tail=bool(self._tail[row]),
         )
 
     # ------------------------------------------------------------------ writes
@@ -226,7 +275,7 @@ class BlockIndex:
                     if meta.checksum:
                         self._checksum[row] = meta.checksum
                     return row
-                if self._pins[row] or (self._tiers[row] and self._epoch[row] >= meta.epoch):
+                if self._pins[row] or self._tiers[row]:
                     return None  # collision: first writer wins; the chain check rejects the loser
                 self._remove(row)
             if not self._free:
@@ -243,10 +292,11 @@ class BlockIndex:
             self._ns[row] = ns
             self._pins[row] = 0
             self._tiers[row] = tier_bit
+            self._tail[row] = meta.tail
             self._tick += 1
             self._last[row] = self._tick
             if meta.tail:
-                self._tails.setdefault(meta.parent, set()).add(meta.ntok)
+                self._add_tail(meta.parent, meta.ntok)
             return row
 
     def commit_many(self, metas: list[EntryMeta], tier_bit: int) -> list[int | None]:
@@ -276,16 +326,17 @@ class BlockIndex:
             self._parent[rows] = np.frombuffer(b"".join(m.parent for m in new), np.uint64).reshape(n, 2)
             self._fp[rows] = np.array([m.fp for m in new], np.uint64)
             self._checksum[rows] = np.array([m.checksum for m in new], np.uint64)
-            self._epoch[rows] = np.array([m.epoch for m in new], np.uint32)
+            self._epoch[rows] = np.array([m.epoch for m in new], np.uint64)
             self._size[rows] = np.array([m.size for m in new], np.uint32)
             self._ntok[rows] = np.array([m.ntok for m in new], np.uint32)
             self._ns[rows] = np.array([self._ns_id(m.ns_seed) for m in new], np.uint16)
             self._pins[rows] = 0
             self._tiers[rows] = tier_bit
+            self._tail[rows] = np.array([m.tail for m in new], np.bool_)
             self._stamp(rows)
             for m in new:
                 if m.tail:
-                    self._tails.setdefault(m.parent, set()).add(m.ntok)
+                    self._add_tail(m.parent, m.ntok)
             out: list[int | None] = [self._rows[m.key[:kb]] for m in metas]
             if slow:  # already indexed: the same block (vectorized: add the tier) or a collision
                 same = self._same(slow, metas, out)
@@ -309,23 +360,28 @@ class BlockIndex:
         ns = np.array([self._ns_ids.get(m.ns_seed, -1) for m in sub])
         return ((self._key[r] == key).all(1) & (self._parent[r] == parent).all(1)
                 & (self._fp[r] == np.fromiter((m.fp for m in sub), np.uint64, n))
-                & (self._epoch[r] == np.fromiter((m.epoch for m in sub), np.uint32, n))
+                & (self._epoch[r] == np.fromiter((m.epoch for m in sub), np.uint64, n))
                 & (self._ns[r] == ns))
 
-    def claim(self, row: int, tier_bit: int) -> bool:
-        """Atomically take ``row`` out of a tier for eviction; False if a reader has it pinned."""
+    def claim(self, key: bytes, tier_bit: int) -> bool:
+        """Atomically take block ``key`` out of a tier for eviction; False if a reader has it
+        pinned, or it is not indexed in that tier (any more)."""
         with self._lock:
             self._expire_leases()
-            if self._pins[row] or not self._tiers[row] & tier_bit:
+            row = int(self._rows_of([key])[0])
+            if row < 0 or self._pins[row] or not self._tiers[row] & tier_bit:
                 return False
             self._tiers[row] &= ~np.uint8(tier_bit)
             if not self._tiers[row]:
                 self._remove(row)
             return True
 
-    def drop_tier(self, row: int, tier_bit: int) -> None:
-        """The tier no longer holds the block; forget the entry when no tier does."""
+    def drop_tier(self, key: bytes, tier_bit: int) -> None:
+        """The tier no longer holds block ``key``; forget the entry when no tier does."""
         with self._lock:
+            row = int(self._rows_of([key])[0])
+            if row < 0:
+                return
             self._tiers[row] &= ~np.uint8(tier_bit)
             if not self._tiers[row] and not self._pins[row]:
                 self._remove(row)
@@ -340,30 +396,46 @@ class BlockIndex:
                     self._remove(row)
             return row
 
+    def _add_tail(self, parent: bytes, ntok: int) -> None:
+        counts = self._tails.setdefault(parent, {})
+        counts[ntok] = counts.get(ntok, 0) + 1
+
     def _remove(self, row: int) -> None:
         key = self._key[row].tobytes()
-        del self._rows[key[: self._key_bytes]]
+        short = key[: self._key_bytes]
+        assert self._rows.get(short) == row, "removing a row that is not live"
+        del self._rows[short]
         parent = self._parent[row].tobytes()
-        tails = self._tails.get(parent)
-        if tails is not None:
-            tails.discard(int(self._ntok[row]))
-            if not tails:
+        counts = self._tails.get(parent)
+        ntok = int(self._ntok[row])
+        if counts is not None and ntok in counts and self._is_tail(row, parent):
+            counts[ntok] -= 1
+            if not counts[ntok]:
+                del counts[ntok]
+            if not counts:
                 del self._tails[parent]
         self._tiers[row] = 0
         self._free.append(row)
 
+    def _is_tail(self, row: int, parent: bytes) -> bool:
+        return bool(self._tail[row])
+
     # -------------------------------------------------------------- pins, LRU
     def pin(self, rows: np.ndarray, lease_s: float | None = None) -> int:
-        """Protect ``rows`` from eviction until ``unpin`` or the lease expires. Returns a lease id."""
+        """Protect ``rows`` from eviction until ``unpin`` or the lease expires. Returns a lease id.
+        Only for rows the caller already holds pinned or has just committed; to pin by key, use
+        ``pin_keys`` (a row found by an earlier lookup may belong to another block by now)."""
         with self._lock:
-            self._expire_leases()
-            lease = self._next_lease
-            self._next_lease += 1
-            rows = np.asarray(rows, dtype=np.int64)
-            np.add.at(self._pins, rows, 1)
-            deadline = time.monotonic() + (self._lease_s if lease_s is None else lease_s)
-            self._leases[lease] = Lease(rows, deadline)
-            return lease
+            return self._pin(np.asarray(rows, dtype=np.int64), lease_s)
+
+    def _pin(self, rows: np.ndarray, lease_s: float | None) -> int:
+        self._expire_leases()
+        lease = self._next_lease
+        self._next_lease += 1
+        np.add.at(self._pins, rows, 1)
+        deadline = time.monotonic() + (self._lease_s if lease_s is None else lease_s)
+        self._leases[lease] = Lease(rows, deadline)
+        return lease
 
     def unpin(self, lease: int) -> None:
         with self._lock:
@@ -415,12 +487,12 @@ class BlockIndex:
         yield from snap
 
     def stale_rows(self, ns_seed: bytes, epoch: int) -> list[int]:
-        """Unpinned rows of ``ns_seed`` from epochs before ``epoch`` (for GC)."""
+        """Unpinned rows of ``ns_seed`` from generations other than ``epoch`` (for GC)."""
         with self._lock:
             self._expire_leases()
             ns = self._ns_ids.get(ns_seed)
             if ns is None:
                 return []
             used = np.fromiter(self._rows.values(), np.int64, len(self._rows))
-            mask = (self._ns[used] == ns) & (self._epoch[used] < epoch) & (self._pins[used] == 0)
+            mask = (self._ns[used] == ns) & (self._epoch[used] != np.uint64(epoch)) & (self._pins[used] == 0)
             return [int(r) for r in used[mask]]

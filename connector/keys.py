@@ -21,10 +21,8 @@ machines (tests pin golden vectors).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -80,22 +78,6 @@ def extra_digest(extra_keys: Sequence[object] | None) -> bytes:
     if not extra_keys:
         return NO_EXTRA
     return _h128(json.dumps([str(k) for k in extra_keys], separators=(",", ":")).encode())
-
-
-def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
-    """Cheap weights/tokenizer fingerprint: config.json bytes plus every file's name and size.
-
-    Reading every weight byte would take minutes on a large model; names and sizes change whenever
-    a checkpoint is replaced in practice, and `model_version` in the YAML covers the rest.
-    """
-    root = Path(model_dir)
-    h = xxhash.xxh3_64()
-    config = root / "config.json"
-    if config.is_file():
-        h.update(config.read_bytes())
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(f"{path.relative_to(root)}:{path.stat().st_size};".encode())
-    return h.hexdigest()
 
 
 def as_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -102,7 +102,8 @@ class BlockStore:
             self._recover(self.l2)
         self.remote: BlockTier | None = None
         if config.remote.enabled:  # the shared tier also holds the epochs every instance obeys
-            self.remote, self.epochs = REMOTE_BACKENDS[config.remote.backend](self.counters, config.remote)
+            floor = config.l2.path / "epochs" if config.l2.enabled else None  # the disk remembers
+            self.remote, self.epochs = REMOTE_BACKENDS[config.remote.backend](self.counters, config.remote, floor)
             self.backing.append(self.remote)
         self._evict_lock = threading.Lock()
         self._saver = Saver(config.saves.queue_blocks, config.saves.threads)
@@ -138,23 +139,29 @@ class BlockStore:
             tail = self._match_tail(ns, epoch, chain.parents[n], tokens[n * ns.block_size :], extra)
             if tail is not None:
                 hit = BlockChain(*(a + b for a, b in zip(hit, tail)))
-        rows = rows_full if len(hit.keys) == len(rows_full) else self.index.rows_of(hit.keys)
-        lease = self.index.pin(rows) if pin and len(rows) else None
-        tiers = self.index.tiers_of(rows).tolist()
-        self.counters.inc("lookups")
-        self.counters.inc("lookup_hit_blocks", len(rows))
-        return Hit(ns, epoch, hit, tiers, lease)
+        return self._hit(ns, epoch, hit, pin)
 
     def lookup_chain(self, ns: Namespace, epoch: int, chain: BlockChain, *, pin: bool = False) -> Hit:
         """Like ``lookup`` for a chain built by the caller (``keys.chain_digests``): the longest
         valid stored prefix of ``chain``, from the index and tier headers only."""
         n = self._match(ns.seed, epoch, chain, 0)
-        hit = _slice(chain, 0, n)
-        rows = self.index.rows_of(hit.keys)
-        lease = self.index.pin(rows) if pin and len(rows) else None
+        return self._hit(ns, epoch, _slice(chain, 0, n), pin)
+
+    def _hit(self, ns: Namespace, epoch: int, chain: BlockChain, pin: bool) -> Hit:
+        """The validated run ``chain`` as a Hit. With ``pin``, its rows are looked up by key and
+        pinned in one index call: a block dropped since validation (its row possibly reused by
+        another block) ends the hit there instead of being read under another block's row."""
+        if pin:
+            rows, lease = self.index.pin_keys(chain.keys)
+        else:
+            rows, lease = self.index.rows_of(chain.keys), None
+            gone = np.flatnonzero(rows < 0)
+            rows = rows[: gone[0]] if len(gone) else rows
+        if len(rows) < len(chain.keys):
+            chain = _slice(chain, 0, len(rows))
         self.counters.inc("lookups")
-        self.counters.inc("lookup_hit_blocks", n)
-        return Hit(ns, epoch, hit, self.index.tiers_of(rows).tolist(), lease)
+        self.counters.inc("lookup_hit_blocks", len(rows))
+        return Hit(ns, epoch, chain, self.index.tiers_of(rows).tolist(), lease)
 
     def current_epoch(self, ns: Namespace) -> int:
         return self.epochs.get(ns.seed)
@@ -222,20 +229,18 @@ class BlockStore:
                 self.counters.inc("hit_blocks_l1", run)
             if run < usable:
                 outs = [out[i] for i in range(run, usable)]
-                usable = run + self._fetch(rows[run:usable], outs, promote=True)
+                usable = run + self._fetch(rows[run:usable], keys[run:usable], outs, promote=True)
             self._count_failures(usable, len(keys))
             return usable
 
     @contextlib.contextmanager
     def _leading(self, hit: Hit) -> Iterator[tuple[np.ndarray, int]]:
-        """The index rows of the hit's keys and how many lead with no missing one; those stay
-        pinned inside the block (unless the hit holds a lease already)."""
-        rows = self.index.rows_of(hit.chain.keys)
-        gone = np.flatnonzero(rows < 0)
-        usable = int(gone[0]) if len(gone) else len(rows)
-        lease = self.index.pin(rows[:usable]) if hit.lease is None and usable else None
+        """The index rows of the leading run of the hit's keys still stored, and its length; they
+        are looked up and pinned in one index call and stay pinned inside the block (a second pin
+        where the hit holds a lease already: the load never depends on that lease's deadline)."""
+        rows, lease = self.index.pin_keys(hit.chain.keys)
         try:
-            yield rows, usable
+            yield rows, len(rows)
         finally:
             if lease is not None:
                 self.index.unpin(lease)
@@ -245,13 +250,18 @@ class BlockStore:
             self.counters.inc("load_failures")
             self.counters.inc("load_failed_blocks", wanted - loaded)
 
-    def _fetch(self, rows: np.ndarray, outs: list[torch.Tensor], promote: bool) -> int:
+    def _fetch(self, rows: np.ndarray, keys: list[bytes], outs: list[torch.Tensor], promote: bool) -> int:
         """Read blocks into ``outs``: from L1 where resident, else from the first backing tier
         that has them, one batched ``read_many`` per run of blocks on the same tier. Bad copies are
         dropped by the tier and forgotten here. Returns how many leading blocks were read; with
         ``promote`` those read from backing tiers are copied into L1 (and from a remote tier, also
         written to L2 in the background: local tiers cache the shared one)."""
-        metas = [self.index.meta(int(r)) for r in rows]
+        metas = self.index.metas(rows, keys)
+        bad = next((i for i, m in enumerate(metas) if m is None), None)
+        if bad is not None:  # the caller pins the rows, so this is a bug, not a race; never misread
+            log.error("kvstrata: index row %d no longer holds block %s; not loaded", rows[bad], keys[bad].hex())
+            self.counters.inc("row_key_mismatches")
+            rows, metas = rows[:bad], metas[:bad]
         bits = self.index.tiers_of(rows).tolist()
         i = 0
         while i < len(rows):
@@ -273,7 +283,7 @@ class BlockStore:
                     if tier is self.remote and self.l2 is not None and stored:
                         self._saver.submit(len(stored), lambda s=stored: self._write_through(s, [self.l2]))
             if got < j - i:
-                self.index.drop_tier(int(rows[i + got]), tier.bit)  # the tier dropped a bad copy
+                self.index.drop_tier(keys[i + got], tier.bit)  # the tier dropped a bad copy
                 bits[i + got] &= ~tier.bit
                 i += got
                 if not any(bits[i] & t.bit for t in self.backing):
@@ -422,22 +432,25 @@ class BlockStore:
         Returns how many leading blocks are now in L1; the rest of the prefix is not usable.
         """
         keys = hit.chain.keys
-        rows = self.index.rows_of(keys)
-        gone = np.flatnonzero(rows < 0)
-        usable = int(gone[0]) if len(gone) else len(keys)
-        slots = self.l1.slots_of(keys[:usable])
-        first = next((i for i, s in enumerate(slots) if s is None), usable)
-        if first == usable:
-            return usable
-        lease = self.index.pin(rows[:usable])
+        rows, lease = self.index.pin_keys(keys)
+        if lease is None:
+            return 0
         try:
-            todo = [self.index.meta(int(r)) for r in rows[first:usable]]
-            res = self._reserve(todo)
+            usable = len(rows)
+            slots = self.l1.slots_of(keys[:usable])
+            first = next((i for i, s in enumerate(slots) if s is None), usable)
+            if first == usable:
+                return usable
+            todo = self.index.metas(rows[first:usable], keys[first:usable])
+            if any(m is None for m in todo):
+                return first
+            res = self._reserve(todo)  # type: ignore[arg-type]
             if not res.slots:
                 return first
             assert self.l1.data is not None
             views = [self.l1.data[s, : m.size] for s, m in zip(res.slots, res.metas)]
-            got = self._fetch(rows[first : first + len(res.slots)], views, promote=False)
+            n = len(res.slots)
+            got = self._fetch(rows[first : first + n], keys[first : first + n], views, promote=False)
             if got < len(res.slots):
                 self.l1.release(res.slots[got:])
                 self.counters.inc("load_failures")
@@ -479,8 +492,9 @@ class BlockStore:
                     from_mem += 1
                 elif bits[n] & l2_bit:
                     assert self.l2 is not None
-                    if not self.l2.read_views(self.index.meta(int(rows[n])), dest(n)):
-                        self.index.drop_tier(int(rows[n]), l2_bit)  # the tier dropped a bad copy
+                    meta = self.index.metas(rows[n : n + 1], keys[n : n + 1])[0]
+                    if meta is None or not self.l2.read_views(meta, dest(n)):
+                        self.index.drop_tier(keys[n], l2_bit)  # the tier dropped a bad copy
                         break
                 else:
                     break
@@ -581,11 +595,16 @@ class BlockStore:
         demote = (self.l2 is not None and self.config.l2.write == "on_evict"
                   and not int(self.index.tiers_of(np.array([row]))[0]) & self.l2.bit)
         if demote:
-            slot = self.l1.slot_of(meta.key)
-            if slot is not None and self.l1.data is not None:
-                self.write_backing([meta], [self.l1.data[slot, : meta.size]])
-                self.counters.inc("l1_demoted")
-        if self.index.claim(row, self.l1.bit):
+            rows, lease = self.index.pin_keys([meta.key])  # the slot must not be reused mid-write
+            try:
+                slot = self.l1.slot_of(meta.key) if lease is not None else None
+                if slot is not None and self.l1.data is not None:
+                    self.write_backing([meta], [self.l1.data[slot, : meta.size]])
+                    self.counters.inc("l1_demoted")
+            finally:
+                if lease is not None:
+                    self.index.unpin(lease)
+        if self.index.claim(meta.key, self.l1.bit):
             self.l1.delete(meta.key)
             self.counters.inc("l1_evicted")
 
@@ -607,12 +626,15 @@ class BlockStore:
         """``(meta, L1 slot)`` of the committed blocks still in L1, pinned inside the block so they
         are not evicted while written out (slots looked up under the pin: a block evicted before
         it is skipped, never misread)."""
-        lease = self.index.pin(np.array([row for _, row in stored], np.int64))
+        keys = [meta.key for meta, _ in stored]
+        rows, lease = self.index.pin_keys(keys, leading=False)  # by key: a row may be reused by now
         try:
-            slots = self.l1.slots_of([meta.key for meta, _ in stored])
-            yield [(meta, slot) for (meta, _), slot in zip(stored, slots) if slot is not None]
+            slots = self.l1.slots_of(keys)
+            yield [(meta, slot) for (meta, _), slot, row in zip(stored, slots, rows.tolist())
+                   if slot is not None and row >= 0]
         finally:
-            self.index.unpin(lease)
+            if lease is not None:
+                self.index.unpin(lease)
 
     def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor],
                       tiers: list[BlockTier] | None = None) -> int:
@@ -644,11 +666,11 @@ class BlockStore:
 
     def _drop_from(self, tier: BlockTier, row: int) -> bool:
         meta = self.index.meta(row)
-        if not self.index.claim(row, tier.bit):
+        if not self.index.claim(meta.key, tier.bit):
             return False
         tier.delete(meta.key)
         if meta.tail and isinstance(tier, DiskTier):
-            tier.delete_tail_marker(meta.parent, meta.ntok)
+            tier.delete_tail_marker(meta.parent, meta.ntok, meta.key)
         return True
 
     # ------------------------------------------------------- invalidation, GC
@@ -656,7 +678,7 @@ class BlockStore:
         """Bump the namespace epoch: from now on no older entry is served. Returns the new epoch."""
         epoch = self.epochs.bump(ns_seed)
         self.counters.inc("invalidations")
-        log.info("kvstrata: namespace %s is now at epoch %d", ns_seed[:8].hex(), epoch)
+        log.info("kvstrata: namespace %s is now at generation %016x", ns_seed[:8].hex(), epoch)
         self.gc(only=[ns_seed])
         return epoch
 
@@ -687,14 +709,14 @@ class BlockStore:
         spaces: dict[str, dict[str, dict[str, int]]] = {}
         for _row, meta, bits in self.index.entries():
             per_epoch = spaces.setdefault(meta.ns_seed[:8].hex(), {}).setdefault(
-                str(meta.epoch), {"blocks": 0, "bytes": 0})
+                f"{meta.epoch:016x}", {"blocks": 0, "bytes": 0})
             per_epoch["blocks"] += 1
             per_epoch["bytes"] += meta.size
             for t in self.tiers:
                 if bits & t.bit:
                     tiers[t.name]["blocks"] += 1
                     tiers[t.name]["bytes"] += meta.size
-        current = {s[:8].hex(): self.epochs.get(s) for s in self.namespaces()}
+        current = {s[:8].hex(): f"{self.epochs.get(s):016x}" for s in self.namespaces()}
         return {"tiers": tiers, "namespaces": spaces, "current_epochs": current,
                 "counters": self.counters.snapshot()}
 

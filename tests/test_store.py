@@ -340,13 +340,15 @@ def test_invalidate_hides_blocks_at_once_and_new_saves_hit_again(store_factory, 
     store_prompt(store, ns, tokens)
     assert store.lookup(ns, tokens).num_tokens == 50
 
-    assert store.invalidate(ns.seed) == 1
+    before = store.current_epoch(ns)
+    after = store.invalidate(ns.seed)
+    assert after != before and store.current_epoch(ns) == after
     assert store.lookup(ns, tokens).num_blocks == 0
 
     chain, stored = store_prompt(store, ns, tokens)
     assert stored == 4
     hit = store.lookup(ns, tokens)
-    assert hit.num_tokens == 50 and hit.epoch == 1
+    assert hit.num_tokens == 50 and hit.epoch == after
     n, out = load_hit(store, hit)
     assert n == 4
     assert_payloads_match(chain.keys, out, 4)
@@ -361,13 +363,13 @@ def test_invalidate_is_seen_by_another_store_on_the_same_folder(store_factory, n
     store_prompt(a, ns, tokens)
     assert b.lookup(ns, tokens).num_tokens == 40
 
-    a.invalidate(ns.seed)
+    new = a.invalidate(ns.seed)
     assert b.lookup(ns, tokens).num_blocks == 0
     assert b.lookup(ns, tokens[:16]).num_blocks == 0
 
     chain, _ = store_prompt(a, ns, tokens)
     hit = b.lookup(ns, tokens)
-    assert hit.num_tokens == 40 and hit.epoch == 1
+    assert hit.num_tokens == 40 and hit.epoch == new
     n, out = load_hit(b, hit)
     assert n == 3
     assert_payloads_match(chain.keys, out, 3)

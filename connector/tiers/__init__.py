@@ -1,8 +1,10 @@
 """Storage media. ``TIERS`` maps a tier name to its class (L1 memory, L2 disk); ``REMOTE_BACKENDS``
-maps ``remote.backend`` to a factory returning the shared tier and the epoch store it carries."""
+maps ``remote.backend`` to a factory returning the shared tier and the epoch store it carries
+(``floor``: a local folder where that store keeps the generations it saw replaced, or None)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from ..config import RemoteConfig
@@ -16,19 +18,19 @@ from .sharedfs import SharedFsTier
 TIERS: dict[str, type[BlockTier]] = {MemoryTier.name: MemoryTier, DiskTier.name: DiskTier}
 
 
-def _redis(counters: Counters, cfg: RemoteConfig) -> tuple[BlockTier, EpochStore]:
+def _redis(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[BlockTier, EpochStore]:
     from .redis import RedisEpochs, RedisTier  # redis-py is an optional dependency
 
     tier = RedisTier(counters, cfg)
-    return tier, RedisEpochs(tier, cfg)
+    return tier, RedisEpochs(tier, cfg, floor)
 
 
-def _fs(counters: Counters, cfg: RemoteConfig) -> tuple[BlockTier, EpochStore]:
+def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[BlockTier, EpochStore]:
     assert cfg.path is not None
     return SharedFsTier(counters, cfg), FileEpochs(cfg.path / "epochs")
 
 
-REMOTE_BACKENDS: dict[str, Callable[[Counters, RemoteConfig], tuple[BlockTier, EpochStore]]] = {
+REMOTE_BACKENDS: dict[str, Callable[[Counters, RemoteConfig, Path | None], tuple[BlockTier, EpochStore]]] = {
     "redis": _redis,
     "fs": _fs,
 }

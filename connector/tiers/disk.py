@@ -4,7 +4,9 @@ Layout under ``root``::
 
     blocks/ab/<key hex>.kvb             128-byte header (blockfmt) + payload, mode 0600
     blocks/ab/.<key hex>.<pid>.<n>.tmp  a write in progress (never read)
-    tails/ab/<parent hex>/<ntok>        marker: a partial block of ntok tokens follows parent
+    tails/ab/<parent hex>/<ntok>.<key hex>  marker: partial block <key> of ntok tokens follows parent
+                                        (one per block: two tails of one length under one parent
+                                        are two markers, and evicting one leaves the other)
 
 The 256 shard folders are created once at start-up, so the write path never calls mkdir; 256
 shards keep folders at a few thousand files for a terabyte of 256 KiB blocks.
@@ -56,6 +58,17 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _marker(ntok: int, key: bytes) -> str:
+    return f"{ntok}.{key.hex()}"
+
+
+def _marker_ntok(name: str) -> int | None:
+    """Token count of a tail marker's name (``<ntok>.<key hex>``, or a bare ``<ntok>`` as older
+    versions wrote); None for anything else."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() and len(head) < 9 else None
 
 
 class DiskTier(BlockTier):
@@ -133,7 +146,7 @@ class DiskTier(BlockTier):
             if meta.tail:
                 tail = self._tail_dir(meta.parent)
                 self._ensure_dir(tail)
-                (tail / str(meta.ntok)).touch(mode=0o600)
+                (tail / _marker(meta.ntok, meta.key)).touch(mode=0o600)
         except OSError as e:
             self.counters.inc(f"{self.name}_write_errors")
             log.warning("kvstrata L2: write of %s failed: %s", final, e)
@@ -235,7 +248,7 @@ class DiskTier(BlockTier):
             names = os.listdir(self._tail_dir(parent))
         except FileNotFoundError:
             return []
-        return sorted((int(n) for n in names if n.isdigit()), reverse=True)
+        return sorted({n for n in map(_marker_ntok, names) if n is not None}, reverse=True)
 
     def delete(self, key: bytes) -> None:
         path = self.path(key)
@@ -247,8 +260,8 @@ class DiskTier(BlockTier):
         with self._lock:
             self._used -= size
 
-    def delete_tail_marker(self, parent: bytes, ntok: int) -> None:
-        (self._tail_dir(parent) / str(ntok)).unlink(missing_ok=True)
+    def delete_tail_marker(self, parent: bytes, ntok: int, key: bytes) -> None:
+        (self._tail_dir(parent) / _marker(ntok, key)).unlink(missing_ok=True)
 
     def scan(self) -> Iterator[EntryMeta]:
         for meta, _path, _mtime in self.scan_files():

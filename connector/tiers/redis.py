@@ -6,7 +6,7 @@ slot and a node):
     P:{<key hex>}:p      128-byte header (blockfmt) + payload, binary; never pickled
     P:{<key hex>}:i      the committed index entry: the same header alone
     P:{<parent hex>}:t   set of token counts of partial blocks stored after that parent
-    P:epoch:<ns hex>     namespace epoch (INCR), announced on channel ``P:epochs``
+    P:epoch:<ns hex>     namespace generation (random u64, see ``epochs``), announced on ``P:epochs``
 
 Publication writes the payload, then the index entry, in that order on one connection to the
 slot's node (a hash tag puts both in one slot), so Redis applies them in order: the index entry's
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -35,7 +36,7 @@ import torch
 from ..blockfmt import HEADER_SIZE, FormatError, pack_header, payload_checksum, unpack_header
 from ..breaker import Breaker
 from ..config import RemoteConfig
-from ..epochs import EpochStore
+from ..epochs import EpochStore, Retired, new_generation, parse_generation
 from ..index import EntryMeta
 from ..metrics import Counters
 from .base import BlockTier
@@ -217,17 +218,30 @@ class RedisTier(BlockTier):
 
 
 class RedisEpochs(EpochStore):
-    """Namespace epochs in Redis: INCR to bump, PUBLISH to tell every instance at once.
+    """Namespace generations in Redis (see ``epochs``): ``SET NX`` creates, ``SET`` bumps, and a
+    PUBLISH tells every instance to re-read at once.
 
-    A subscriber thread applies announcements as they arrive; ``get`` also re-reads a namespace
-    whose value is older than ``invalidation_ms``, which covers a missed message. While Redis is
-    unreachable the last known epoch is used (lookups go on; a bump fails loudly).
+    The value is the generation as decimal text. A missing key (evicted, lost in a restart,
+    flushed) is lost state: the first reader creates a fresh generation with ``SET NX`` and every
+    instance reads the winner, so older blocks become misses, never valid again. A value that is
+    not a generation, or is one this instance (or its disk, the local floor) has seen replaced, is
+    replaced by a fresh one with a compare-and-set, and counted (``remote_bad_epochs``,
+    ``remote_epoch_rollbacks``). Announcements carry only the namespace: they make the next
+    ``get`` re-read Redis, so a forged or delayed message can cost a round trip but never set a
+    generation. ``get`` also re-reads a namespace whose value is older than ``invalidation_ms``,
+    which covers a missed message. While Redis is unreachable the last known generation is used;
+    a namespace never read gets a process-local one (misses, and saves nobody else can see).
     """
 
-    def __init__(self, tier: RedisTier, cfg: RemoteConfig) -> None:
+    # Replace the value only if it still holds what we read: two instances that both found it
+    # bad agree on one new generation.
+    _CAS = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[2]) end return 0"
+
+    def __init__(self, tier: RedisTier, cfg: RemoteConfig, floor: Path | None = None) -> None:
         self._tier, self._cfg = tier, cfg
         self._lock = threading.Lock()
         self._known: dict[bytes, tuple[int, float]] = {}
+        self.retired = Retired(floor)
         self._channel = f"{cfg.key_prefix}:epochs"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._listen, name="kvstrata-epochs", daemon=True)
@@ -236,34 +250,87 @@ class RedisEpochs(EpochStore):
     def _key(self, ns_seed: bytes) -> str:
         return f"{self._cfg.key_prefix}:epoch:{ns_seed.hex()}"
 
-    def _set(self, ns_seed: bytes, epoch: int) -> None:
+    def _remember(self, ns_seed: bytes, gen: int, at: float) -> int:
         with self._lock:
-            current = self._known.get(ns_seed, (0, 0.0))[0]
-            self._known[ns_seed] = (max(current, epoch), time.monotonic())
+            previous = self._known.get(ns_seed)
+            self._known[ns_seed] = (gen, at)
+        if previous is not None and previous[0] != gen:
+            self.retired.add(ns_seed, previous[0])
+        return gen
 
     def get(self, ns_seed: bytes) -> int:
         with self._lock:
-            epoch, at = self._known.get(ns_seed, (0, 0.0))
-        if time.monotonic() - at < self._cfg.invalidation_ms / 1000:
-            return epoch
-        raw = self._tier.breaker.call(lambda: self._tier.client.get(self._key(ns_seed)), None)
-        if raw is None and self._tier.breaker.is_open:
-            return epoch
-        self._set(ns_seed, int(raw or 0))
-        with self._lock:
-            return self._known[ns_seed][0]
+            known = self._known.get(ns_seed)
+        if known is not None and time.monotonic() - known[1] < self._cfg.invalidation_ms / 1000:
+            return known[0]
+        gen = self._tier.breaker.call(lambda: self._read(ns_seed), None)
+        if gen is None:  # unreachable: keep the last known generation, or a private one
+            if known is not None:
+                return known[0]
+            return self._remember(ns_seed, new_generation(), time.monotonic())
+        return self._remember(ns_seed, gen, time.monotonic())
+
+    def _read(self, ns_seed: bytes) -> int:
+        """The current generation in Redis, creating or repairing it when needed."""
+        client, key = self._tier.client, self._key(ns_seed)
+        for _ in range(4):
+            raw = client.get(key)
+            if raw is None:
+                client.set(key, str(new_generation()), nx=True)
+                continue
+            gen = parse_generation(raw)
+            if gen is not None and (ns_seed, gen) not in self.retired:
+                return gen
+            if gen is None:
+                self._tier.counters.inc("remote_bad_epochs")
+                log.warning("kvstrata remote: %s holds %r, not a generation; starting a new one",
+                            key, bytes(raw[:32]) if isinstance(raw, bytes) else raw)
+            else:
+                self._tier.counters.inc("remote_epoch_rollbacks")
+                log.warning("kvstrata remote: %s went back to generation %d, which was replaced "
+                            "earlier (restored snapshot?); starting a new one", key, gen)
+            client.eval(self._CAS, 1, key, raw, str(new_generation()))
+        raise RuntimeError(f"{key} keeps changing; cannot read a stable generation")
 
     def bump(self, ns_seed: bytes) -> int:
         client = self._tier.client
-        epoch = int(client.incr(self._key(ns_seed)))  # raises if Redis is down: a reset must not be lost
-        client.publish(self._channel, f"{ns_seed.hex()}:{epoch}")
-        self._set(ns_seed, epoch)
-        return epoch
+        gen = new_generation()
+        with self._lock:
+            old = self._known.get(ns_seed)
+        client.set(self._key(ns_seed), str(gen))  # raises if Redis is down: a reset must not be lost
+        if old is not None:
+            self.retired.add(ns_seed, old[0])
+        self._remember(ns_seed, gen, time.monotonic())
+        try:
+            client.publish(self._channel, ns_seed.hex())
+        except Exception as e:  # the I/O edge: others catch up within invalidation_ms
+            log.warning("kvstrata remote: epoch announcement failed (%s); other instances see the "
+                        "new generation within remote.invalidation_ms", e)
+        return gen
 
     def known(self) -> list[bytes]:
         names = self._tier.breaker.call(
             lambda: list(self._tier.client.scan_iter(match=f"{self._cfg.key_prefix}:epoch:*")), [])
-        return [bytes.fromhex(n.decode().rsplit(":", 1)[1]) for n in names]
+        out = []
+        for name in names:
+            try:
+                out.append(bytes.fromhex(name.decode().rsplit(":", 1)[1]))
+            except (UnicodeDecodeError, ValueError):
+                self._tier.counters.inc("remote_bad_epochs")
+        return out
+
+    def _forget(self, data: object) -> None:
+        """An announcement: re-read that namespace at the next ``get``."""
+        try:
+            text = data.decode("ascii") if isinstance(data, bytes) else str(data)
+            ns_seed = bytes.fromhex(text.split(":", 1)[0])
+        except (UnicodeDecodeError, ValueError):
+            self._tier.counters.inc("remote_bad_messages")
+            return
+        with self._lock:
+            known = self._known.get(ns_seed)
+            if known is not None:
+                self._known[ns_seed] = (known[0], 0.0)
 
     def _listen(self) -> None:
         while not self._stop.is_set():
@@ -273,10 +340,9 @@ class RedisEpochs(EpochStore):
                 while not self._stop.is_set():
                     msg = pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
-                        ns_hex, epoch = msg["data"].decode().split(":")
-                        self._set(bytes.fromhex(ns_hex), int(epoch))
+                        self._forget(msg["data"])
             except Exception as e:  # reconnect with a pause; polling in get() covers the gap
-                log.debug("kvstrata epochs: subscriber reconnecting after %s", e)
+                log.warning("kvstrata epochs: subscriber reconnecting after %s", e)
                 self._stop.wait(min(5.0, self._cfg.breaker.reset_ms / 1000))
 
     def close(self) -> None:

@@ -59,7 +59,7 @@ class SharedFsTier(DiskTier):
                 continue
             path.unlink(missing_ok=True)
             if meta.tail:
-                self.delete_tail_marker(meta.parent, meta.ntok)
+                self.delete_tail_marker(meta.parent, meta.ntok, meta.key)
             total -= HEADER_SIZE + meta.size
             removed += 1
         return removed
