@@ -50,7 +50,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstrata.config import ConfigError, StrataConfig, load_engine_config
-from kvstrata.keys import BlockChain, Namespace, chain_digests, model_fingerprint, root_key
+from kvstrata.identity import resolve_model_version
+from kvstrata.keys import BlockChain, Namespace, chain_digests, root_key
 from kvstrata.store import BlockStore, Hit
 from kvstrata.tiers.disk import IOV_MAX
 
@@ -263,11 +264,21 @@ class _CallLog:
 
 
 # ---------------------------------------------------------------------------- the backend
+def _loaded_model(model_name: str) -> tuple[str, str | None]:
+    """The model path (folder or hub id) and revision the server loaded. ``model_name`` is the served
+    name, which may be an alias (``--served-model-name``) or carry a storage format tag."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        loaded = get_model()
+        return loaded.model_path, loaded.revision
+    except (ImportError, ValueError, AttributeError):  # not published (in-process use) or older SGLang
+        return model_name, None
+
+
 def namespace_for(config: HiCacheStorageConfig, cfg: StrataConfig, rows: PageRows, chained: bool) -> Namespace:
     model = config.model_name or ""
-    version = cfg.namespace.model_version
-    if version is None:
-        version = model_fingerprint(model) if model and os.path.isdir(model) else "main"
+    version = resolve_model_version(cfg.namespace.model_version, *_loaded_model(model))
     shared = config.is_mla_model  # MLA KV is identical on every TP rank: one copy for all
     return Namespace(
         engine="sglang",

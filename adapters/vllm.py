@@ -43,7 +43,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.blockcopy import BlockLayout
 from kvstrata.config import ConfigError, StrataConfig, load_engine_config
-from kvstrata.keys import BlockChain, Namespace, block_key, extra_digest, model_fingerprint, root_key
+from kvstrata.identity import resolve_model_version
+from kvstrata.keys import BlockChain, Namespace, block_key, extra_digest, root_key
 from kvstrata.store import BlockStore, Hit, Reservation
 from kvstrata.tiers.memory import attach_shared_arena
 
@@ -148,9 +149,8 @@ def _device_layout(vllm_config: "VllmConfig") -> str:
 
 def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: StrataConfig) -> Namespace:
     model = vllm_config.model_config
-    version = cfg.namespace.model_version
-    if version is None:
-        version = model_fingerprint(model.model) if os.path.isdir(model.model) else str(model.revision or "main")
+    version = resolve_model_version(cfg.namespace.model_version, model.model, model.revision,
+                                    hub_cache=vllm_config.load_config.download_dir)
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
     layout = (f"{_device_layout(vllm_config)};{layers}x{type(spec).__name__}"

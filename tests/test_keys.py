@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.keys import Namespace, block_key, chain_keys, extra_digest, model_fingerprint, root_key
+from kvstrata.keys import Namespace, block_key, chain_keys, extra_digest, root_key
 
 NS = Namespace("vllm", "tiny-llama", "v1", "bfloat16", "4x[2,128,128]", 16)
 
@@ -84,15 +84,6 @@ def test_chain_prefix_property(tokens, cut):
     assert whole.parents[0] == root
     assert whole.parents[1:] == whole.keys[:-1]
     assert sum(whole.lengths) == len(tokens)
-
-
-def test_model_fingerprint_changes_with_files(tmp_path):
-    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
-    first = model_fingerprint(tmp_path)
-    assert first == model_fingerprint(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
-    assert model_fingerprint(tmp_path) != first
 
 
 def test_chain_digests_chains_external_page_keys():
