@@ -498,7 +498,7 @@ class StrataStorage(HiCacheStorage):
         if self.ns is None:
             return False
         epoch = self.store.invalidate(self.ns.seed)
-        log.info("kvstrata: storage cleared, namespace %s now at epoch %d", self.ns.id, epoch)
+        log.info("kvstrata: storage cleared, namespace %s now at generation %016x", self.ns.id, epoch)
         return True
 
     def get_stats(self) -> StrataStorageMetrics:
