@@ -194,6 +194,13 @@ def demo(args: argparse.Namespace) -> int:
     return run(args.model, args.config, args.prompt_tokens)
 
 
+@command("torture")
+def torture(args: argparse.Namespace) -> int:
+    from .torture import run
+
+    return run(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -253,6 +260,9 @@ def _parser() -> argparse.ArgumentParser:
     dm.add_argument("--model", required=True, help="model folder (examples/make_tiny_model.py builds one)")
     dm.add_argument("--config", default=None, help="kvstrata YAML (default: the embedded default)")
     dm.add_argument("--prompt-tokens", type=int, default=3000)
+    from .torture import add_arguments as torture_arguments
+
+    torture_arguments(sub.add_parser("torture", help="several processes try to make the store serve wrong or stale KV"))
     return p
 
 
