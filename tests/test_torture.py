@@ -108,7 +108,8 @@ def test_torture_serves_nothing_wrong_or_stale(tmp_path):
     assert summary["injected"]["kills"] > 0 and summary["injected"]["epoch_loss"] > 0, detail
     assert summary["injected"]["invalidate"] > 0, detail
     rejected = summary["rejections"]
-    assert rejected["checksum_failures"] > 0, detail  # flipped bytes were caught on reads
+    caught = sum(rejected.get(k, 0) for k in ("checksum_failures", "l2_bad_headers", "remote_bad_headers"))
+    assert caught > 0, detail  # flipped bytes were caught (payload checksums, header checksums)
     assert rejected["collision_refusals"] > 0, detail  # 2-byte index keys shared, other block refused
     if server:
         assert summary["injected"]["corrupted_redis_values"] > 0, detail
