@@ -91,7 +91,10 @@ class DiskTier(BlockTier):
             present = set(os.listdir(top))
             for shard in (f"{i:02x}" for i in range(256)):
                 if shard not in present:
-                    os.mkdir(top / shard, 0o700)
+                    try:
+                        os.mkdir(top / shard, 0o700)
+                    except FileExistsError:  # another process opening a fresh folder made it
+                        pass
         self._prefix = str(self._blocks) + os.sep
         self._lock = threading.Lock()
         self._used = 0
