@@ -247,7 +247,7 @@ class Tally:
     def event(self, kind: str, n: int, detail: str, why: str = "") -> None:
         self.add(kind, n)
         line = json.dumps({"kind": kind, "blocks": n, "wid": self._wid, "pid": os.getpid(), "why": why,
-                           "detail": detail})
+                           "detail": detail, "t": time.monotonic()})  # one clock for all processes
         fd = os.open(self._events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, line.encode() + b"\n")
@@ -731,6 +731,8 @@ def print_summary(s: dict[str, Any], to_stderr: bool) -> None:
                        ("store errors (exceptions)", "errors")):
         bad = key in ("wrong", "stale", "lost_tails", "errors") and s[key]
         table.add_row(label, f"[red]{s[key]}[/red]" if bad else str(s[key]))
+    if s.get("first_catch_s") is not None:
+        table.add_row("first case caught after (s)", f"[red]{s['first_catch_s']}[/red]")
     for why, v in s["stale_by_cause"].items():
         if v:
             table.add_row(f"  stale after {'an invalidation' if why == 'invalidate' else 'a state loss'}",
@@ -790,12 +792,8 @@ def run(args: argparse.Namespace) -> int:
     base = dict(run=str(run_dir), l2=str(root / "l2"), seed=args.seed, procs=args.procs, threads=args.threads,
                 redis=args.redis, prefix=prefix, invalidation_ms=invalidation_ms, grace_s=grace_ms / 1000,
                 parent=os.getpid())
-    from .store import BlockStore
 
-    # Create the folder before the workers start: DiskTier's shard mkdir is not safe against
-    # concurrent first opens of a fresh folder (FileExistsError), which is not what this attacks.
-    BlockStore(store_config(base, 128)).close()
-    fleet = Fleet(base)
+    fleet = Fleet(base)  # the workers open the fresh folder together: concurrent first opens too
     rng = random.Random(f"parent-{args.seed}")
     interrupted = False
     start = time.monotonic()
@@ -819,6 +817,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     counts, store, events = collect(run_dir)
     summary = summarize(counts, store, events, fleet, elapsed, args)
+    caught = [e["t"] for e in events if "t" in e]
+    summary["first_catch_s"] = round(min(caught) - start, 1) if caught else None
     failed = bool(summary["wrong"] or summary["stale"] or summary["lost_tails"])
     if args.redis:
         try:
