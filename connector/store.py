@@ -258,9 +258,12 @@ class BlockStore:
         written to L2 in the background: local tiers cache the shared one)."""
         metas = self.index.metas(rows, keys)
         bad = next((i for i, m in enumerate(metas) if m is None), None)
-        if bad is not None:  # the caller pins the rows, so this is a bug, not a race; never misread
-            log.error("kvstrata: index row %d no longer holds block %s; not loaded", rows[bad], keys[bad].hex())
-            self.counters.inc("row_key_mismatches")
+        if bad is not None:  # never read a row that is not the block asked for
+            if self.index.rows_of(keys[bad : bad + 1])[0] == rows[bad]:
+                self.counters.inc("load_blocks_dropped_meanwhile")  # found damaged by another reader
+            else:  # the caller pins the rows, so this is a bug, not a race
+                log.error("kvstrata: index row %d no longer holds block %s; not loaded", rows[bad], keys[bad].hex())
+                self.counters.inc("row_key_mismatches")
             rows, metas = rows[:bad], metas[:bad]
         bits = self.index.tiers_of(rows).tolist()
         i = 0
