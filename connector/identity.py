@@ -80,10 +80,11 @@ def resolve_model_version(cfg_version: str | None, model: str, revision: str | N
 
 
 def model_identity(model: str, revision: str | None = None, *, hub_cache: str | None = None) -> ModelIdentity:
-    """Identity of ``model``: a local folder, or a hub id resolved in the local hub cache
-    (``hub_cache``, default ``hub_cache_dir()``). Reads sampled bytes of files it has not seen with
-    this (size, mtime, inode) before; logs one warning per model and process when untrusted."""
-    if os.path.isdir(model):
+    """Identity of ``model``: a local folder or single-file model (GGUF), or a hub id resolved in
+    the local hub cache (``hub_cache``, default ``hub_cache_dir()``). Reads sampled bytes of files it
+    has not seen with this (size, mtime, inode) before; logs one warning per model and process when
+    untrusted."""
+    if os.path.exists(model):
         folder, commit = model, _snapshot_commit(model)
     else:
         found = _hub_snapshot(model, revision, hub_cache or hub_cache_dir())
@@ -95,7 +96,9 @@ def model_identity(model: str, revision: str | None = None, *, hub_cache: str | 
         digest, read, total = _fingerprint(folder, commit)
     except OSError as e:
         return _unverified_identity(model, revision, f"cannot read {folder}: {e}")
-    where = f"hub snapshot {commit} in {folder}" if commit else f"folder {folder}"
+    if not total:
+        return _unverified_identity(model, revision, f"no files in {folder}")
+    where = f"hub snapshot {commit} in {folder}" if commit else f"local {folder}"
     version = f"{commit}-{digest}" if commit else digest
     return ModelIdentity(version, True, f"{where}: {total} files, {read} read, {total - read} from cache")
 
@@ -120,8 +123,9 @@ def cache_path() -> Path:
 
 # ---------------------------------------------------------------------------- where the files are
 def _snapshot_commit(folder: str) -> str | None:
-    """The commit when ``folder`` is (inside) ``.../models--org--name/snapshots/<commit>/``."""
-    parts = Path(os.path.realpath(folder)).parts
+    """The commit when ``folder`` (or a file) is inside ``.../models--org--name/snapshots/<commit>/``."""
+    base = folder if os.path.isdir(folder) else os.path.dirname(os.path.abspath(folder))
+    parts = Path(os.path.realpath(base)).parts  # a snapshot's files are links into blobs/: not them
     for i in range(len(parts) - 2, 0, -1):
         if parts[i] == "snapshots" and _COMMIT.fullmatch(parts[i + 1]) and parts[i - 1].startswith("models--"):
             return parts[i + 1]
@@ -180,7 +184,10 @@ def _fingerprint(folder: str, commit: str | None) -> tuple[str, int, int]:
 
 def _model_files(root: str) -> list[tuple[str, str, os.stat_result]]:
     """(relative name, path, stat) of every regular file, sorted; hidden names (.git, .cache) and
-    symlinked folders (no cycles) are skipped, symlinked files are followed."""
+    symlinked folders (no cycles) are skipped, symlinked files are followed. A file is its own list."""
+    if not os.path.isdir(root):
+        st = os.stat(root)
+        return [(os.path.basename(root), root, st)] if stat.S_ISREG(st.st_mode) else []
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]

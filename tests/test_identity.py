@@ -161,6 +161,8 @@ def test_hub_id_resolves_in_the_local_hub_cache(tmp_path, monkeypatch):
     by_path = model_identity(str(snapshot))  # the snapshot folder given as a path
     assert by_path.trusted and by_path.version == by_id.version
     assert model_identity("org/name", COMMIT).version == by_id.version  # a commit as the revision
+    one_file = model_identity(str(snapshot / "model.safetensors"))  # a single-file model in a snapshot
+    assert one_file.trusted and one_file.version.startswith(COMMIT)
 
     other = "fedcba9876543210fedcba9876543210fedcba98"
     make_hub_repo(hub, "org/other", other)
@@ -196,3 +198,16 @@ def test_corrupt_cache_file_is_ignored_and_replaced(tmp_path, own_cache, content
     assert got.version == want and "3 read" in got.source
     assert json.loads(own_cache.read_text())["format"] == 1  # rewritten whole
     assert "0 read" in model_identity(str(model)).source
+
+
+def test_single_file_model_is_fingerprinted_and_an_empty_folder_is_not_trusted(tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(os.urandom(2 << 20))
+    first = model_identity(str(weights))
+    assert first.trusted
+    with open(weights, "r+b") as f:
+        f.write(os.urandom(4096))
+    assert model_identity(str(weights)).version != first.version
+
+    (tmp_path / "empty").mkdir()
+    assert not model_identity(str(tmp_path / "empty")).trusted
