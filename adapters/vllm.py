@@ -13,11 +13,19 @@ EngineCore, one per worker beside the KV cache. The split follows vLLM's own off
   batched index operation per layer (``kvstrata.blockcopy``). A slot holds one vLLM block for all
   layers of all tensor-parallel ranks (rank r writes its own region).
 
-Saves happen in the step that computes the blocks: the scheduler reserves fresh slots for every
-block that step completes and is not stored yet (and for the prompt's partial tail in the step that
-finishes the prompt), the worker copies them right after the forward pass, and the scheduler
-commits them to the index only when the worker reports the copy done. Nothing waits for a request
-to finish, so no block is ever held back from the engine.
+Every copy is an op with an id, and every rank reports the ops it has finished, keyed by its rank
+(vLLM hands the scheduler the reports of all ranks of a step merged by ``aggregate``). An op is
+settled only when every rank has reported it:
+
+- Loads: the lookup pins the hit (validated and pinned under one index lock) and reads its L1
+  slots under that pin; the load op keeps the pin until every rank has copied the blocks out, so
+  a slot cannot be reused for another block in between.
+- Saves happen in the step that computes the blocks: the scheduler reserves fresh slots for every
+  block that step completes and is not stored yet (and for the prompt's partial tail in the step
+  that finishes the prompt), each rank copies its shard right after the forward pass, and the
+  blocks are committed to the index when every rank reports its copy done (aborted if any rank
+  failed: a block missing one shard is never served). Nothing waits for a request to finish, so
+  no block is ever held back from the engine.
 """
 
 from __future__ import annotations
@@ -96,17 +104,26 @@ class StrataMetadata(KVConnectorMetadata):
 
 @dataclass
 class StrataWorkerMetadata(KVConnectorWorkerMetadata):
-    """Save ops a worker finished copying (or failed), and the ranks that have just mapped the
-    arena, reported back to the scheduler."""
+    """What the workers report back to the scheduler after a step, per tensor-parallel rank.
 
-    done: set[int] = field(default_factory=set)
-    failed: set[int] = field(default_factory=set)
-    attached: set[int] = field(default_factory=set)
+    vLLM merges the reports of all ranks of one step with ``aggregate`` before the scheduler sees
+    them (``KVOutputAggregator``), so every set is keyed by the rank that reported it: an op is
+    settled only when each rank has reported it, because each rank copies its own shard.
+    """
+
+    saved: dict[int, set[int]] = field(default_factory=dict)  # rank -> save ops copied to the arena
+    failed: dict[int, set[int]] = field(default_factory=dict)  # rank -> save ops whose copy failed
+    loaded: dict[int, set[int]] = field(default_factory=dict)  # rank -> load ops done (or failed)
+    attached: set[int] = field(default_factory=set)  # ranks that have just mapped the arena
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         assert isinstance(other, StrataWorkerMetadata)
-        return StrataWorkerMetadata(self.done | other.done, self.failed | other.failed,
-                                    self.attached | other.attached)
+        return StrataWorkerMetadata(_merge(self.saved, other.saved), _merge(self.failed, other.failed),
+                                    _merge(self.loaded, other.loaded), self.attached | other.attached)
+
+
+def _merge(a: dict[int, set[int]], b: dict[int, set[int]]) -> dict[int, set[int]]:
+    return {rank: a.get(rank, set()) | b.get(rank, set()) for rank in a.keys() | b.keys()}
 
 
 class StrataStats(KVConnectorStats):
@@ -217,12 +234,22 @@ class _Pending:
     saved_full: int = 0  # full blocks already planned for saving
     tail_saved: bool = False
     local: int = 0  # block-aligned tokens the engine already had
-    hit: Hit | None = None
-    slots: list[int] = field(default_factory=list)
-    lease: int | None = None
+    hit: Hit | None = None  # pinned (hit.lease) from the lookup until its load op takes it over
+    slots: list[int] = field(default_factory=list)  # L1 slots of the hit's blocks, read under the pin
     staging: bool = False
     staged: bool = False
     from_disk: int = 0  # blocks of the hit that had to be staged from a backing tier
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A copy op the workers are running. Settled when every rank has reported it: a save is
+    committed if no rank failed (else aborted), a load gives its pin back."""
+
+    waiting: set[int]  # ranks that have not reported the op yet
+    ok: bool = True
+    reservation: Reservation | None = None  # a save: the slots the ranks are filling
+    hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
 
 
 class _SchedulerSide:
@@ -250,7 +277,7 @@ class _SchedulerSide:
         self._reqs: dict[str, _Pending] = {}
         self._loads: list[CopyOp] = []
         self._saves: list[CopyOp] = []
-        self._saving: dict[int, Reservation] = {}  # save op id -> slots the workers are filling
+        self._inflight: dict[int, _InFlight] = {}  # op id -> what settles when every rank reports it
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
         self._next_op = 1
         self._last_counters: dict[str, int] = {}
@@ -268,32 +295,40 @@ class _SchedulerSide:
         with self._lock:
             if st.staging:
                 return None, False  # disk blocks are being staged into L1: ask again later
-        self._unpin(st)
+        self._release(st)
         st.local = num_computed_tokens
-        hit = self.store.lookup(self.ns, st.tokens, st.extra)
+        # Validated and pinned under one index lock: a pinned row keeps its block and its L1 slot
+        # until the pin goes, so the slots read below stay this block's until the load is copied.
+        hit = self.store.lookup(self.ns, st.tokens, st.extra, pin=True)
+        matched, slots = self._resident(st, hit, num_computed_tokens)
+        if not matched:
+            self.store.release(hit)
+            return matched, False
+        st.hit, st.slots = hit, slots
+        return matched, False
+
+    def _resident(self, st: _Pending, hit: Hit, num_computed_tokens: int) -> tuple[int | None, list[int]]:
+        """Tokens of the pinned ``hit`` beyond ``num_computed_tokens`` that are in L1 now (staging
+        what is not; None while a background staging job runs), and the L1 slots of its blocks."""
         usable = min(hit.num_tokens, len(st.tokens) - 1)  # the last token is always computed
         if usable <= num_computed_tokens:
-            return 0, False
+            return 0, []
         n_blocks = -(-usable // self.block_size)
-        hit = hit._replace(chain=BlockChain(*(part[:n_blocks] for part in hit.chain)),
-                           tiers=hit.tiers[:n_blocks])
-        slots = self.store.l1_slots(hit)
+        slots = self.store.l1_slots(hit)[:n_blocks]
         first = num_computed_tokens // self.block_size
         if any(s is None for s in slots[first:]) and not st.staged:
-            if not self._stage(st, hit, first):
-                return None, False
-            slots = self.store.l1_slots(hit)
+            wanted = hit._replace(chain=BlockChain(*(part[:n_blocks] for part in hit.chain)),
+                                  tiers=hit.tiers[:n_blocks], lease=None)
+            if not self._stage(st, wanted, first):
+                return None, []
+            slots = self.store.l1_slots(hit)[:n_blocks]  # staged rows are the pinned ones
         resident = first
         while resident < n_blocks and slots[resident] is not None:
             resident += 1
         usable = min(usable, resident * self.block_size, sum(hit.chain.lengths[:resident]))
         if usable <= num_computed_tokens:
-            return 0, False
-        rows = self.store.index.rows_of(hit.chain.keys[first:resident])
-        if (rows < 0).any():
-            return 0, False
-        st.hit, st.slots, st.lease = hit, slots[:resident], self.store.index.pin(rows)
-        return usable - num_computed_tokens, False
+            return 0, []
+        return usable - num_computed_tokens, slots[:resident]  # type: ignore[return-value]
 
     def _stage(self, st: _Pending, hit: Hit, first: int) -> bool:
         """Bring the hit's blocks into L1. Returns True when done inline (small hits): the caller
@@ -317,10 +352,11 @@ class _SchedulerSide:
                 st.staging, st.staged = False, True  # queue full: serve what L1 has
         return False
 
-    def _unpin(self, st: _Pending) -> None:
-        if st.lease is not None:
-            self.store.index.unpin(st.lease)
-            st.lease = None
+    def _release(self, st: _Pending) -> None:
+        """Give back the pin of the request's last lookup (not handed to a load op)."""
+        if st.hit is not None:
+            self.store.release(st.hit)
+            st.hit, st.slots = None, []
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         st = self._reqs.get(request.request_id)
@@ -335,13 +371,21 @@ class _SchedulerSide:
         if st is None or st.hit is None:
             return
         if num_external_tokens == 0:
-            self._unpin(st)
+            self._release(st)
             return
         block_ids = blocks.get_block_ids()[0]
         first = st.local // self.block_size
         last = -(-(st.local + num_external_tokens) // self.block_size)
-        self._loads.append(CopyOp(0, request.request_id, st.slots[first:last], list(block_ids[first:last])))
+        op = CopyOp(self._new_op_id(), request.request_id, st.slots[first:last], list(block_ids[first:last]))
+        self._loads.append(op)
+        # The load op owns the pin now: it goes when every rank has copied the blocks out.
+        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), hit=st.hit)
+        st.hit, st.slots = None, []
         self.store.counters.inc("vllm_loaded_tokens", num_external_tokens)
+
+    def _new_op_id(self) -> int:
+        self._next_op += 1
+        return self._next_op - 1
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -388,17 +432,21 @@ class _SchedulerSide:
         block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
         position = {key: i for i, key in enumerate(todo.keys)}
         ids = [block_ids[where[position[m.key]]] for m in res.metas]
-        op = CopyOp(self._next_op, req_id, res.slots, ids)
-        self._next_op += 1
+        op = CopyOp(self._new_op_id(), req_id, res.slots, ids)
         self._saves.append(op)
-        self._saving[op.op_id] = res
+        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), reservation=res)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Everything computed was saved in the step that computed it, except the partial block at
-        the end of the output: nothing is left to copy, so blocks are freed at once."""
+        the end of the output: nothing is left to copy, so blocks are freed at once.
+
+        The pin of a lookup no load op took over (a request aborted or preempted before its
+        blocks were allocated) goes now. Ops already sent to the workers keep theirs until every
+        rank reports them: a worker may still be copying (vLLM can finish a request while the
+        step that carries its load runs), and their reports always come."""
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
-            self._unpin(st)
+            self._release(st)
         return False, None
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
@@ -412,19 +460,33 @@ class _SchedulerSide:
                 # system when the processes end, however they end (no leaked /dev/shm file).
                 self.store.l1.close()
                 log.info("kvstrata: all %d workers mapped the L1 arena; unlinked %s", self._ranks, self.arena.path)
-        for op_id in meta.failed:
-            res = self._saving.pop(op_id, None)
-            if res is not None:
-                self.store.abort(res)
-        for op_id in meta.done:
-            res = self._saving.pop(op_id, None)
-            if res is not None:
-                self.store.commit(res)  # visible to lookups from now on
+        for reports, ok in ((meta.failed, False), (meta.saved, True), (meta.loaded, True)):
+            for rank, op_ids in reports.items():
+                for op_id in op_ids:
+                    self._report(op_id, rank, ok)
+
+    def _report(self, op_id: int, rank: int, ok: bool) -> None:
+        """Rank ``rank`` finished its part of op ``op_id``; settle the op once every rank has."""
+        op = self._inflight.get(op_id)
+        if op is None:
+            return
+        op.waiting.discard(rank)
+        op.ok = op.ok and ok
+        if op.waiting:
+            return
+        del self._inflight[op_id]
+        if op.hit is not None:
+            self.store.release(op.hit)  # every rank has copied the blocks out of their slots
+        if op.reservation is not None:
+            if op.ok:
+                self.store.commit(op.reservation)  # visible to lookups from now on
+            else:
+                self.store.abort(op.reservation)  # some rank's shard is missing: never served
 
     # -- control and stats
     def reset_cache(self) -> bool:
-        epoch = self.store.invalidate(self.ns.seed)
-        log.info("kvstrata: prefix cache reset, namespace %s now at epoch %d", self.ns.id, epoch)
+        generation = self.store.invalidate(self.ns.seed)
+        log.info("kvstrata: prefix cache reset, namespace %s now at generation %016x", self.ns.id, generation)
         return True
 
     def get_kv_connector_stats(self) -> StrataStats | None:
@@ -445,8 +507,10 @@ class _WorkerSide:
         self._arena: torch.Tensor | None = None
         self._prefault: Any = None  # kvstrata.tiers.memory.Prefaulter of the worker's mapping
         self._arena_path = ""
-        self._done: set[int] = set()
+        self._rank = 0
+        self._saved: set[int] = set()
         self._failed: set[int] = set()
+        self._loaded: set[int] = set()
         self._load_errors: set[int] = set()
         self._just_attached = False
 
@@ -484,6 +548,9 @@ class _WorkerSide:
             except Exception:  # an I/O edge: report the blocks so vLLM recomputes them
                 log.exception("kvstrata: load for %s failed; vLLM will recompute it", op.req_id)
                 self._load_errors.update(op.block_ids)
+            # The arena slots are read once load() returns (on CUDA only the upload from the
+            # staging buffer is still queued), so the scheduler may unpin them after this step.
+            self._loaded.add(op.op_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layout is not None:
@@ -499,7 +566,7 @@ class _WorkerSide:
         for op in meta.saves:
             try:
                 self._layout.save(op.block_ids, arena, op.slots)
-                self._done.add(op.op_id)
+                self._saved.add(op.op_id)
             except Exception:  # an I/O edge: the blocks are just not stored
                 log.exception("kvstrata: save for %s failed; it will not be stored", op.req_id)
                 self._failed.add(op.op_id)
@@ -509,10 +576,14 @@ class _WorkerSide:
         return errors
 
     def build_connector_worker_meta(self) -> StrataWorkerMetadata | None:
-        if not self._done and not self._failed and not self._just_attached:
+        if not (self._saved or self._failed or self._loaded or self._just_attached):
             return None
-        meta = StrataWorkerMetadata(self._done, self._failed, {self._rank} if self._just_attached else set())
-        self._done, self._failed, self._just_attached = set(), set(), False
+        rank = self._rank
+        meta = StrataWorkerMetadata({rank: self._saved} if self._saved else {},
+                                    {rank: self._failed} if self._failed else {},
+                                    {rank: self._loaded} if self._loaded else {},
+                                    {rank} if self._just_attached else set())
+        self._saved, self._failed, self._loaded, self._just_attached = set(), set(), set(), False
         return meta
 
 

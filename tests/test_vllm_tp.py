@@ -1,0 +1,255 @@
+"""StrataConnector with tensor parallelism: two ranks, each copying its own shard of every block.
+
+- The scheduler's accounting of the ranks' reports, on vLLM's real Scheduler and its real
+  KVOutputAggregator (the object that merges the ranks' worker metadata of a step), in-process,
+  with no model run: a save is visible only after every rank has copied its shard, a failure on
+  one rank aborts it, and a load keeps its pin until every rank has copied the blocks out.
+- The real engine at ``tensor_parallel_size=2`` on CPU (tests/engines/vllm_tp_steps.py; one
+  worker process per rank, one core each): greedy outputs equal a TP=2 run without kvstrata, cold,
+  after vLLM's own prefix cache is reset (L1 hit) and in a fresh engine on the same disk (L2 hit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_vllm import BS, FORK_A, FORK_B, LONG, ROOT, SHARED, model  # noqa: F401,E402  (model is a fixture)
+
+TP = 2
+TP_STEPS = ROOT / "tests" / "engines" / "vllm_tp_steps.py"
+PROMPTS = [LONG, FORK_A, FORK_B]  # one batch: the forks share 9 full blocks
+
+
+# ------------------------------------------------------------------ scheduler-side accounting
+class RankHarness:
+    """vLLM's Scheduler with kvstrata as its connector, configured for TP=2, driven step by step:
+    ``schedule()`` plans the copies, ``report(out, per_rank_meta)`` feeds back what each rank's
+    worker reported, merged by vLLM's own KVOutputAggregator as the multiprocess executor does."""
+
+    def __init__(self, model_dir: str, tmp: Path) -> None:
+        import torch
+        from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                                 SchedulerConfig, VllmConfig)
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        cfg = tmp / "kvstrata.yaml"
+        cfg.write_text("l1:\n  size: 8MiB\nl2:\n  enabled: false\n")
+        vllm_config = VllmConfig(
+            model_config=ModelConfig(model=model_dir, max_model_len=1024, enforce_eager=True, seed=0),
+            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+            parallel_config=ParallelConfig(tensor_parallel_size=TP),
+            scheduler_config=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=1024,
+                                             is_encoder_decoder=False),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="StrataConnector", kv_role="kv_both", kv_connector_module_path="kvstrata.adapters.vllm",
+                kv_connector_extra_config={"config_file": str(cfg)}))
+        vllm_config.cache_config.num_gpu_blocks = 64
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+        kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                        kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+        self.scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(vllm_config), block_size=BS)
+        self.side = self.scheduler.connector._sched
+        self.store = self.side.store
+        self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, TP)
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(BS, sha256)
+        self._n = 0
+
+    def request(self, prompt: list[int], max_tokens: int = 1):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        self._n += 1
+        req = Request(f"r{self._n}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0), None,
+                      block_hasher=self._hasher)
+        self.scheduler.add_request(req)
+        return req
+
+    def schedule(self):
+        return self.scheduler.schedule()
+
+    def report(self, out, metas: list) -> None:
+        """Finish the step ``out``: every scheduled request samples token 7; rank r's worker
+        metadata is ``metas[r]``."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        ids = list(out.num_scheduled_tokens)
+        per_rank = [ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                      sampled_token_ids=[[7] for _ in ids],
+                                      kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=m))
+                    for m in metas]
+        self.scheduler.update_from_output(out, self.aggregator.aggregate(per_rank))
+
+    def visible_tokens(self, prompt: list[int]) -> int:
+        return self.store.lookup(self.side.ns, prompt).num_tokens
+
+    def pinned(self, prompt: list[int]) -> list[bool]:
+        """Per stored block of ``prompt``: is its index row pinned?"""
+        keys = self.store.lookup(self.side.ns, prompt).chain.keys
+        return [self.store.index.pinned(int(row)) for row in self.store.index.rows_of(keys)]
+
+
+@pytest.fixture
+def harness(model, tmp_path):
+    h = RankHarness(model, tmp_path)
+    yield h
+    h.scheduler.shutdown()
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 3000) for _ in range(n)]
+
+
+def test_save_commits_only_when_every_rank_acked(harness):
+    from kvstrata.adapters.vllm import StrataWorkerMetadata as Meta
+
+    prompt = _ids(11, 100)  # 3 full blocks and a 4-token tail, saved in the prompt's step
+    harness.request(prompt, max_tokens=3)
+    out = harness.schedule()
+    (save,) = out.kv_connector_metadata.saves
+    assert len(save.slots) == 4
+    harness.report(out, [Meta(saved={0: {save.op_id}}), None])
+    assert harness.visible_tokens(prompt) == 0, "committed with rank 1's shard still missing"
+    harness.report(harness.schedule(), [None, Meta(saved={1: {save.op_id}})])
+    assert harness.visible_tokens(prompt) == len(prompt)
+
+    # One rank failed, the other copied its shard: the block is never served, its slots go back.
+    other = _ids(12, 70)
+    harness.request(other)
+    out = harness.schedule()
+    (save,) = [op for op in out.kv_connector_metadata.saves if op.req_id != "r1"]
+    harness.report(out, [Meta(failed={0: {save.op_id}}), Meta(saved={1: {save.op_id}})])
+    assert harness.visible_tokens(other) == 0
+    # Not committed, so the same prompt is saved again (as a whole) and commits on both acks.
+    harness.request(other)
+    out = harness.schedule()
+    (again,) = [op for op in out.kv_connector_metadata.saves if op.req_id == "r3"]
+    assert len(again.slots) == len(save.slots)
+    harness.report(out, [Meta(saved={0: {again.op_id}}), Meta(saved={1: {again.op_id}})])
+    assert harness.visible_tokens(other) == len(other)
+
+
+def test_load_keeps_its_pin_until_every_rank_copied_the_blocks_out(harness):
+    from kvstrata.adapters.vllm import StrataWorkerMetadata as Meta
+
+    prompt = _ids(21, 100)
+    harness.request(prompt)
+    out = harness.schedule()
+    (save,) = out.kv_connector_metadata.saves
+    harness.report(out, [Meta(saved={r: {save.op_id}}) for r in range(TP)])
+    assert harness.scheduler.reset_prefix_cache()  # the engine forgets; kvstrata has it in L1
+
+    harness.request(prompt)  # finishes in its first step (max_tokens=1)
+    out = harness.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    assert len(load.slots) == 4 and out.num_scheduled_tokens["r2"] == 1  # all but the last token
+    assert all(harness.pinned(prompt))
+    # The request finishes in this very step, before the connector sees the reports; rank 1 has
+    # not reported the load yet, so its slots must stay pinned (not reusable by another block).
+    harness.report(out, [Meta(loaded={0: {load.op_id}}), None])
+    assert all(harness.pinned(prompt))
+    harness.report(harness.schedule(), [None, Meta(loaded={1: {load.op_id}})])
+    assert not any(harness.pinned(prompt))
+
+
+def test_a_lookup_that_is_not_scheduled_gives_its_pin_back(harness):
+    """Scenario: a request is looked up twice (vLLM asks again each step while it cannot be
+    scheduled), then aborted: neither lookup may leave its pin behind."""
+    from kvstrata.adapters.vllm import StrataWorkerMetadata as Meta
+
+    prompt = _ids(31, 100)
+    harness.request(prompt)
+    out = harness.schedule()
+    (save,) = out.kv_connector_metadata.saves
+    harness.report(out, [Meta(saved={r: {save.op_id}}) for r in range(TP)])
+    req = harness.request(prompt)
+    connector = harness.scheduler.connector
+    assert connector.get_num_new_matched_tokens(req, 0) == (len(prompt) - 1, False)
+    assert connector.get_num_new_matched_tokens(req, 0) == (len(prompt) - 1, False)
+    assert all(harness.pinned(prompt))
+    connector.request_finished(req, [])
+    assert not any(harness.pinned(prompt))
+
+
+# ------------------------------------------------------------------ the real engine, TP=2
+def run_tp(model_dir: str, tmp: Path, config: Path | None, steps: list[dict]) -> list[dict]:
+    spec = tmp / f"spec-{random.random()}.json"
+    spec.write_text(json.dumps({"model": model_dir, "config": str(config) if config else None, "tp": TP,
+                                "block_size": BS, "steps": steps}))
+    res = subprocess.run([sys.executable, str(TP_STEPS), str(spec)], capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert res.returncode == 0 and line, f"TP={TP} engine run failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    return json.loads(line[len("RESULT "):])
+
+
+GEN = {"op": "generate", "prompts": PROMPTS, "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def tp_runs(model, tmp_path_factory) -> dict[str, list[dict]]:
+    """Three TP=2 engines, each given the same batch of prompts: no connector; kvstrata cold,
+    then again after vLLM's own prefix cache reset (L1); a fresh kvstrata engine on the first
+    one's disk folder (L2)."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    cfg = tmp / "kvstrata.yaml"
+    cfg.write_text(f"l1:\n  size: 128MiB\nl2:\n  path: {tmp / 'l2'}\n")
+    return {
+        "baseline": run_tp(model, tmp, None, [GEN]),
+        "first": run_tp(model, tmp, cfg, [{"op": "arenas"}, GEN, {"op": "arenas"}, {"op": "counters"},
+                                          {"op": "reset"}, GEN, {"op": "counters"}]),
+        "second": run_tp(model, tmp, cfg, [GEN, {"op": "counters"}]),
+    }
+
+
+@pytest.mark.timeout(1500)  # the first one starts three TP=2 engines (module fixture)
+def test_tp2_cold_run_stores_every_block_and_matches_no_connector(tp_runs):
+    before, cold, after, counters = tp_runs["first"][:4]
+    assert cold["tokens"] == tp_runs["baseline"][0]["tokens"]
+    # FORK_B reuses FORK_A's blocks of the same step through vLLM's own prefix cache; kvstrata
+    # has committed nothing yet when the batch is looked up.
+    assert cold["cached"] == [0, 0, (len(SHARED) // BS) * BS]
+    assert counters.get("vllm_loaded_tokens", 0) == 0 and counters["saved_blocks"] > 0
+    # Both ranks mapped the arena (each reports its rank), so the file is gone from /dev/shm.
+    assert len(before["names"]) == 1 and after["names"] == []
+
+
+@pytest.mark.timeout(1500)  # the first one starts three TP=2 engines (module fixture)
+def test_tp2_l1_hit_after_prefix_cache_reset_matches_no_connector(tp_runs):
+    _, _, _, cold_counters, reset, hit, counters = tp_runs["first"]
+    assert reset["ok"] is True
+    assert hit["tokens"] == tp_runs["baseline"][0]["tokens"]
+    assert hit["cached"] == [len(p) - 1 for p in PROMPTS]
+    # LONG and FORK_A come from kvstrata whole; FORK_B may take its shared blocks from FORK_A's
+    # blocks of the same step (vLLM's own cache) and the rest from kvstrata.
+    loaded = counters["vllm_loaded_tokens"] - cold_counters.get("vllm_loaded_tokens", 0)
+    assert len(LONG) - 1 + len(FORK_A) - 1 < loaded <= sum(len(p) - 1 for p in PROMPTS)
+
+
+@pytest.mark.timeout(1500)  # the first one starts three TP=2 engines (module fixture)
+def test_tp2_l2_hit_in_a_fresh_engine_matches_no_connector(tp_runs):
+    hit, counters = tp_runs["second"]
+    assert hit["tokens"] == tp_runs["baseline"][0]["tokens"]
+    assert hit["cached"] == [len(p) - 1 for p in PROMPTS]
+    assert counters["vllm_loaded_tokens"] > len(LONG) - 1 + len(FORK_A) - 1
+    # Every distinct block and prompt tail was committed by the first engine (both ranks' shards,
+    # or the outputs would differ) and is read from disk once here.
+    distinct = {tuple(p[: (i + 1) * BS]) for p in PROMPTS for i in range(len(p) // BS)}
+    assert counters["hit_blocks_l2"] == len(distinct) + len(PROMPTS)
