@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -307,6 +308,11 @@ def test_storage_direct_and_l1_paths_write_identical_files_each_reads_the_others
 
     pool = _host_pool(layout)
     direct = make_storage(tmp_path / "a", layout, pool=pool, l1=SMALL_L1)
+    # Generations are random per epochs folder: give b a's, so both write the same keys.
+    direct.store.current_epoch(direct.ns)
+    epoch_file = Path("l2", "epochs", direct.ns.seed.hex())
+    (tmp_path / "b" / epoch_file).parent.mkdir(parents=True)
+    shutil.copy(tmp_path / "a" / epoch_file, tmp_path / "b" / epoch_file)
     staged = make_storage(tmp_path / "b", layout, pool=pool)
     storages += [direct, staged]
     assert direct.bypass_l1 and not staged.bypass_l1
