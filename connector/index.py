@@ -119,23 +119,33 @@ class BlockIndex:
 
     def match_rows(self, ns_seed: bytes, epoch: int, chain: BlockChain, start: int = 0) -> np.ndarray:
         """Rows of the committed, valid run of ``chain[start:]`` (see ``match``)."""
+        with self._lock:
+            return self._match_rows(ns_seed, epoch, chain, start)
+
+    def match_pinned(self, ns_seed: bytes, epoch: int, chain: BlockChain) -> tuple[np.ndarray, int | None]:
+        """``match_rows`` from the start of ``chain``, with the rows pinned in the same lock
+        acquisition. Returns the rows and the lease (None when empty)."""
+        with self._lock:
+            r = self._match_rows(ns_seed, epoch, chain, 0)
+            return r, (self._pin(r, None) if len(r) else None)
+
+    def _match_rows(self, ns_seed: bytes, epoch: int, chain: BlockChain, start: int) -> np.ndarray:
         keys = chain.keys[start:] if start else chain.keys
         if self._key_bytes < 16:
             keys = [k[: self._key_bytes] for k in keys]
-        with self._lock:
-            rows = list(map(self._rows.get, keys))  # C-level loop over the dict
-            try:
-                rows = rows[: rows.index(None)]
-            except ValueError:
-                pass
-            if not rows:
-                return np.empty(0, np.int64)
-            r = np.array(rows, dtype=np.int64)
-            bad = np.flatnonzero(~self._valid(ns_seed, epoch, chain, r, start))
-            if len(bad):
-                r = r[: bad[0]]
-            self._stamp(r)
-            return r
+        rows = list(map(self._rows.get, keys))  # C-level loop over the dict
+        try:
+            rows = rows[: rows.index(None)]
+        except ValueError:
+            pass
+        if not rows:
+            return np.empty(0, np.int64)
+        r = np.array(rows, dtype=np.int64)
+        bad = np.flatnonzero(~self._valid(ns_seed, epoch, chain, r, start))
+        if len(bad):
+            r = r[: bad[0]]
+        self._stamp(r)
+        return r
 
     def valid_mask(self, ns_seed: bytes, epoch: int, chain: BlockChain) -> np.ndarray:
         """Per block of ``chain``: is a valid copy already committed? (Used to skip re-saves.)"""

@@ -130,10 +130,18 @@ class BlockStore:
                *, pin: bool = False) -> Hit:
         tokens = as_tokens(tokens)
         epoch, chain = self.chain(ns, tokens, extra)
-        rows_full = self.index.match_rows(ns.seed, epoch, chain)
+        if pin:  # validated and pinned in one index call: the common, whole-prompt hit is done
+            rows_full, lease = self.index.match_pinned(ns.seed, epoch, chain)
+        else:
+            rows_full, lease = self.index.match_rows(ns.seed, epoch, chain), None
         n = len(rows_full)
-        if n < len(chain.keys):  # blocks another process stored are adopted from tier headers
-            n += self._match(ns.seed, epoch, chain, n)
+        if n == len(chain.keys):
+            self.counters.inc("lookups")
+            self.counters.inc("lookup_hit_blocks", n)
+            return Hit(ns, epoch, chain, self.index.tiers_of(rows_full).tolist(), lease)
+        if lease is not None:  # adoption or a tail extends the hit: pin it all by key below
+            self.index.unpin(lease)
+        n += self._match(ns.seed, epoch, chain, n)  # blocks another process stored, by header
         hit = chain if n == len(chain.keys) else _slice(chain, 0, n)
         if n < len(chain.keys):
             tail = self._match_tail(ns, epoch, chain.parents[n], tokens[n * ns.block_size :], extra)
