@@ -81,7 +81,7 @@ def _make_room(index: BlockIndex, tier: Tier, incoming: int) -> None:
     excess = tier.held + incoming - tier.capacity
     if excess > 0:
         for row in index.lru_victims(tier.bit, excess):
-            if index.claim(row, tier.bit):
+            if index.claim(index.meta(row).key, tier.bit):
                 tier.held -= 1
 
 
