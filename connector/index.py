@@ -19,7 +19,7 @@ Primitives:
 - ``metas(rows, keys)``: entry metadata of rows, checked against the keys asked for: every read of
   a row verifies its key, so a stale row number can never serve another block.
 - ``lru_victims(tier, n)``: the least recently used unpinned rows of a tier.
-- ``drop_tier(row, tier)``: a tier lost its copy; the entry goes when no tier holds it.
+- ``claim(key, tier)`` / ``drop_tier(key, tier)``: evict a block from a tier, or note that the tier lost its copy; the entry goes when no tier holds it.
 
 Thread safety: every public method takes the index lock; callers hold no lock of their own.
 """
