@@ -5,6 +5,12 @@ errors it opens: calls return ``default`` at once (a miss, a dropped save) inste
 a dead service, so requests are served from local tiers and recompute. After ``reset_ms`` one call
 is let through (half-open); success closes the circuit, failure reopens it with twice the delay, up
 to ``max_backoff_ms``. Errors are logged once per opening, not per call.
+
+Only the errors of the service count (``errors``: the client library's error classes and
+``OSError``, which covers sockets, timeouts and TLS). Anything else raised by ``fn`` is a bug in
+kvstrata, not an unreachable service: it propagates unchanged, so it is seen as what it is instead
+of being reported as "circuit open". Code that parses what the service returned must therefore
+handle hostile values itself (count them, treat them as a miss) and never rely on the breaker.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ T = TypeVar("T")
 
 
 class Breaker:
-    def __init__(self, cfg: BreakerConfig, name: str, counters: Counters) -> None:
+    def __init__(self, cfg: BreakerConfig, name: str, counters: Counters,
+                 errors: tuple[type[BaseException], ...] = (OSError,)) -> None:
         self._cfg, self._name, self._counters = cfg, name, counters
+        self._errors = errors
         self._lock = threading.Lock()
         self._failures = 0
         self._open_until = 0.0
@@ -50,9 +58,13 @@ class Breaker:
             return default
         try:
             result = fn()
-        except Exception as e:  # the I/O edge: any client error becomes a miss
+        except self._errors as e:  # the I/O edge: a service error becomes a miss
             self._failed(e)
             return default
+        except BaseException:
+            with self._lock:
+                self._probing = False  # a bug in a half-open trial must not wedge the circuit
+            raise
         with self._lock:
             if self._open_until:
                 log.warning("kvstrata %s: reachable again, circuit closed", self._name)
@@ -60,7 +72,7 @@ class Breaker:
             self._backoff = self._cfg.reset_ms / 1000
         return result
 
-    def _failed(self, err: Exception) -> None:
+    def _failed(self, err: BaseException) -> None:
         self._counters.inc(f"{self._name}_errors")
         with self._lock:
             self._failures += 1

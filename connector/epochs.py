@@ -34,6 +34,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 MAX_GENERATION = (1 << 64) - 1
+_MAX_GENERATION_TEXT = 64  # a generation is at most 20 digits; whitespace around it is allowed
 _KEEP_RETIRED = 64  # generations remembered per namespace; a restore older than that goes unseen
 
 
@@ -43,16 +44,21 @@ def new_generation() -> int:
 
 
 def parse_generation(raw: object) -> int | None:
-    """A stored generation (bytes or str of decimal digits) as an int, None if it is not one."""
+    """A stored generation (bytes or str of ASCII decimal digits, surrounding whitespace allowed)
+    as an int in [1, 2^64), None for anything else: any type, length or content is answered, never
+    raised on, since the value comes from a file or a server other hosts write."""
     if isinstance(raw, (bytes, bytearray)):
+        if len(raw) > _MAX_GENERATION_TEXT:  # checked before decoding: a huge value costs nothing
+            return None
         try:
             raw = raw.decode("ascii")
         except UnicodeDecodeError:
             return None
-    if not isinstance(raw, str):
+    if not isinstance(raw, str) or len(raw) > _MAX_GENERATION_TEXT:
         return None
     text = raw.strip()
-    if not text.isdigit() or len(text) > 20:
+    # isascii: str.isdigit() also accepts digits int() refuses ("²") or reads (Arabic-Indic)
+    if not (text.isascii() and text.isdigit()) or len(text) > 20:
         return None
     value = int(text)
     return value if 0 < value <= MAX_GENERATION else None
