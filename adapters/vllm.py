@@ -54,7 +54,7 @@ from kvstrata.config import ConfigError, StrataConfig, load_engine_config
 from kvstrata.identity import resolve_model_version
 from kvstrata.keys import BlockChain, Namespace, block_key, extra_digest, root_key
 from kvstrata.store import BlockStore, Hit, Reservation
-from kvstrata.tiers.memory import attach_shared_arena
+from kvstrata.tiers.memory import attach_shared_arena, remove_dead_arenas
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -190,24 +190,11 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
 
 def _remove_dead_arenas() -> None:
     """Delete arenas of schedulers that died without cleaning up (e.g. a force-killed EngineCore):
-    a file in /dev/shm lives until deleted, and holds its memory until then."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        parts = name.split("-")
-        if len(parts) == 3 and parts[0] == "kvstrata" and parts[1].isdigit():
-            try:
-                os.kill(int(parts[1]), 0)
-            except ProcessLookupError:
-                log.info("kvstrata: removing the arena of dead process %s: %s", parts[1], name)
-                try:
-                    os.unlink(os.path.join(SHM_DIR, name))
-                except OSError:
-                    pass
-            except PermissionError:
-                pass
+    a file in /dev/shm lives until deleted, and holds its memory until then. An arena counts as
+    dead only once no process holds its creator's lock (``remove_dead_arenas``): a live engine in
+    another PID namespace sharing /dev/shm keeps its arena, whatever its pid looks like here."""
+    for name in remove_dead_arenas(SHM_DIR):
+        log.info("kvstrata: removed the arena of a dead engine: %s", os.path.join(SHM_DIR, name))
 
 
 def _request_extra(request: "Request") -> bytes:

@@ -68,6 +68,11 @@ def payload_checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def payload_hasher() -> "xxhash.xxh3_64":
+    """A streaming ``payload_checksum``: ``update`` it with the payload in pieces, then ``intdigest``."""
+    return xxhash.xxh3_64()
+
+
 def payload_checksum_of(parts: Sequence[memoryview]) -> int:
     """``payload_checksum`` of the concatenation of ``parts``, streamed without joining them.
 

@@ -1,89 +1,60 @@
 """Integrity scan of a disk tier folder: every header parsed, every payload checksummed.
 
-Works on the files alone (no store is opened), so it can run beside live engines. With ``fix``,
-bad blocks, dead writers' temp files and tail markers whose block is gone are deleted: exactly
-what a reader would have rejected anyway, so fixing never removes a servable block.
+Works on the files alone (no store is opened), so it can run beside live engines. It is the
+engine's start-up scan (``tiers.folder.scan_folder``) with payload checksums: no symlink is followed
+and only regular files are opened. With ``fix``, bad blocks of this format version, dead writers'
+temp files and tail markers whose block is gone are deleted: exactly what a reader would have
+rejected anyway, so fixing never removes a servable block. Blocks of other format versions,
+foreign files, symlinks, FIFOs, sockets and folders are never deleted: they are counted and listed
+(``skipped_entries``, the first 100).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import Iterable
 
-from .blockfmt import HEADER_SIZE, FormatError, payload_checksum, unpack_header
-from .tiers.disk import _pid_alive
+from .tiers.disk import DiskTier
+from .tiers.folder import BLOCK, DAMAGED, ORPHAN, OTHER_VERSION, SKIPPED, TEMP, Found, scan_folder, scan_tails
 
-
-def _check_file(path: Path) -> str | None:
-    data = path.read_bytes()
-    try:
-        meta = unpack_header(data[:HEADER_SIZE], str(path))
-    except FormatError as e:
-        return str(e)
-    if len(data) != HEADER_SIZE + meta.size:
-        return f"size {len(data) - HEADER_SIZE} bytes, header says {meta.size}"
-    if path.name != meta.key.hex() + ".kvb":
-        return "file name does not match the key in its header"
-    if payload_checksum(memoryview(data)[HEADER_SIZE:]) != meta.checksum:
-        return "payload checksum mismatch"
-    return None
+LISTED = 100  # skipped entries listed in the report (all are counted)
 
 
 def check_disk(root: Path, fix: bool = False, progress: bool = True) -> dict[str, object]:
-    blocks = sorted(p for p in (root / "blocks").glob("*/*") if p.is_file())
-    report: dict[str, object] = {"files": 0, "ok": 0, "bad": 0, "temp_leftovers": 0,
-                                 "orphan_tail_markers": 0, "problems": []}
+    report: dict[str, object] = {"files": 0, "ok": 0, "bad": 0, "other_versions": 0, "temp_leftovers": 0,
+                                 "orphan_tail_markers": 0, "skipped": 0, "problems": [], "skipped_entries": []}
     problems: list[str] = []
-    iterator = blocks
+    skipped: list[str] = []
+    tails: set[str] = set()  # key hex of every servable partial block
+    tail_parents: set[tuple[str, int]] = set()  # (parent hex, ntok): markers of older versions name no key
+    found: Iterable[Found] = scan_folder(root, fix=fix, stale_temp=DiskTier.temp_is_stale, verify=True)
     if progress:
         from rich.progress import track
 
-        iterator = track(blocks, description="checking blocks", transient=True)  # type: ignore[assignment]
-    for path in iterator:
-        if path.name.endswith(".tmp"):
-            parts = path.name.split(".")
-            if len(parts) == 5 and parts[2].isdigit() and not _pid_alive(int(parts[2])):
-                report["temp_leftovers"] += 1  # type: ignore[operator]
-                if fix:
-                    path.unlink(missing_ok=True)
-            continue
-        report["files"] += 1  # type: ignore[operator]
-        problem = _check_file(path)
-        if problem is None:
-            report["ok"] += 1  # type: ignore[operator]
-            continue
-        report["bad"] += 1  # type: ignore[operator]
-        problems.append(f"{path}: {problem}")
-        if fix:
-            path.unlink(missing_ok=True)
-    report["orphan_tail_markers"] = _orphan_markers(root, fix)
-    report["problems"] = problems
+        found = track(found, description="checking blocks", transient=True)
+    counts = {kind: 0 for kind in (BLOCK, DAMAGED, OTHER_VERSION, TEMP, SKIPPED, ORPHAN)}
+    for f in found:
+        if f.kind not in counts:
+            continue  # a write in progress
+        counts[f.kind] += 1
+        if f.kind == BLOCK and f.meta is not None and f.meta.tail:
+            tails.add(f.meta.key.hex())
+            tail_parents.add((f.meta.parent.hex(), f.meta.ntok))
+        elif f.kind == DAMAGED:
+            problems.append(f"{f.path}: {f.why}")
+        elif f.kind == SKIPPED and len(skipped) < LISTED:
+            skipped.append(f"{f.path}: {f.why}")
+
+    def is_orphan(parent: str, ntok: int, key: str | None) -> bool:
+        return key not in tails if key else (parent, ntok) not in tail_parents
+
+    for f in scan_tails(root, fix=fix, is_orphan=is_orphan):
+        if f.kind in counts:
+            counts[f.kind] += 1
+        if f.kind == SKIPPED and len(skipped) < LISTED:
+            skipped.append(f"{f.path}: {f.why}")
+    report.update(files=counts[BLOCK] + counts[DAMAGED] + counts[OTHER_VERSION], ok=counts[BLOCK],
+                  bad=counts[DAMAGED], other_versions=counts[OTHER_VERSION], temp_leftovers=counts[TEMP],
+                  orphan_tail_markers=counts[ORPHAN], skipped=counts[SKIPPED], problems=problems,
+                  skipped_entries=skipped)
     return report
-
-
-def _orphan_markers(root: Path, fix: bool) -> int:
-    """Markers ("a partial block of N tokens follows parent") whose block file is gone."""
-    parents: set[tuple[str, int]] = set()
-    keys: set[str] = set()
-    for path in (root / "blocks").glob("*/*.kvb"):
-        try:
-            with open(path, "rb") as f:
-                meta = unpack_header(f.read(HEADER_SIZE), str(path))
-        except (OSError, FormatError):
-            continue
-        if meta.tail:
-            parents.add((meta.parent.hex(), meta.ntok))
-            keys.add(meta.key.hex())
-    orphans = 0
-    for marker in (root / "tails").glob("*/*/*"):
-        ntok, _, key = marker.name.partition(".")
-        alive = key in keys if key else (marker.parent.name, int(ntok) if ntok.isdigit() else -1) in parents
-        if not alive:
-            orphans += 1
-            if fix:
-                marker.unlink(missing_ok=True)
-                try:
-                    os.rmdir(marker.parent)
-                except OSError:
-                    pass
-    return orphans

@@ -550,6 +550,7 @@ class BlockStore:
         metas written, with their checksums; the caller commits them."""
         assert self.l2 is not None
         l2, metas, ok = self.l2, list(metas), [False] * len(metas)
+        self._make_room(l2, sum(l2.stored_bytes(m.size) for m in metas))
 
         def write(k: int) -> None:
             parts = parts_of(k)
@@ -657,6 +658,7 @@ class BlockStore:
                  for m, p in zip(metas, payloads)]
         first = 0
         for tier in self.backing if tiers is None else tiers:
+            self._make_room(tier, sum(tier.stored_bytes(m.size) for m in metas))
             ok = tier.write_many(metas, list(payloads))
             done = [m for m, good in zip(metas, ok) if good]
             self.index.commit_many(done, tier.bit)
@@ -665,15 +667,25 @@ class BlockStore:
         return first
 
     def _enforce_capacity(self, tier: BlockTier) -> None:
-        while tier.used_bytes > tier.capacity_bytes:
+        self._make_room(tier, 0)
+
+    def _make_room(self, tier: BlockTier, nbytes: int) -> None:
+        """Evict least recently used blocks of ``tier`` until ``nbytes`` more fit in its capacity.
+
+        Called before a batch is written, so a tier never holds more than its capacity (a disk
+        tier also refuses a write its capacity has no room for: a concurrent writer may have
+        taken the room meanwhile, and that block is then dropped, not the bound exceeded)."""
+        while tier.used_bytes + nbytes > tier.capacity_bytes:
             victims = self.index.lru_victims(tier.bit, _EVICT_BATCH)
-            if not victims:
-                return
+            dropped = 0
             for row in victims:
-                if tier.used_bytes <= tier.capacity_bytes:
+                if tier.used_bytes + nbytes <= tier.capacity_bytes:
                     return
                 if self._drop_from(tier, row):
+                    dropped += 1
                     self.counters.inc(f"{tier.name}_evicted")
+            if not dropped:  # nothing evictable (all pinned or claimed by others meanwhile)
+                return
 
     def _drop_from(self, tier: BlockTier, row: int) -> bool:
         meta = self.index.meta(row)

@@ -19,6 +19,7 @@ them. The index decides *what* is valid; a tier only answers *whether it still h
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Iterator
 
@@ -26,6 +27,17 @@ import torch
 
 from ..index import EntryMeta
 from ..metrics import Counters
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists in this PID namespace (unknown counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
 
 
 class BlockTier(ABC):
@@ -66,6 +78,10 @@ class BlockTier(ABC):
 
     def write_many(self, metas: list[EntryMeta], payloads: list[torch.Tensor]) -> list[bool]:
         return [self.write(m, p) for m, p in zip(metas, payloads)]
+
+    def stored_bytes(self, size: int) -> int:
+        """Bytes of ``capacity_bytes`` a block of ``size`` payload bytes takes here."""
+        return size
 
     @abstractmethod
     def delete(self, key: bytes) -> None: ...

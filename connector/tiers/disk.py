@@ -18,8 +18,20 @@ unlinks it. The header carries everything the index needs, so another process's 
 discovered by reading 128 bytes (``probe``), never the payload.
 
 Crash safety: a crash before the rename leaves only a temp file, which recovery deletes once its
-writer pid is gone; after the rename the block is complete. ``fsync: true`` adds durability across
-power loss at the cost of write bandwidth.
+writer is gone (``temp_is_stale``); after the rename the block is complete. ``fsync: true`` adds
+durability across power loss at the cost of write bandwidth.
+
+The folder is input kvstrata does not control (on a shared folder, every host writes there), so
+nothing in it is trusted (``tiers.folder``): symbolic links are never followed, only regular files
+are opened (``O_NONBLOCK``, so a FIFO cannot block, then ``fstat``), and only regular files whose
+names kvstrata writes, of its own format version, are ever deleted; everything else is left alone,
+counted and reported. The start-up scan and ``kvstrata check`` are one function (``scan_folder``).
+A shard folder that is not a real folder at start-up is not used. Modes are set only on folders
+kvstrata creates; an existing root others can write to gets a warning, never a ``chmod``.
+
+``l2.size`` holds at every instant: a write first takes its bytes from the capacity (the store
+evicts before a batch, ``BlockStore._make_room``) and is refused when they are not there. A full
+filesystem (ENOSPC, EDQUOT) drops the blocks that do not fit, logged once per burst.
 
 ``write_views``/``read_views`` take the payload as a list of runs (e.g. one page of SGLang's host
 pool, one run per layer and K/V) and move it with one ``pwritev``/``preadv`` and a streaming
@@ -33,8 +45,10 @@ import errno
 import itertools
 import logging
 import os
+import stat
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -43,37 +57,61 @@ import torch
 from ..blockfmt import HEADER_SIZE, FormatError, pack_header, payload_checksum_of, unpack_header
 from ..index import EntryMeta
 from ..metrics import Counters
-from .base import BlockTier
+from .base import BlockTier, pid_alive
+from .folder import (BLOCK, DAMAGED, OPEN_DIR, OTHER_VERSION, SHARDS, SKIPPED, SUFFIX, TEMP, Found, make_folder,
+                     marker_ntok, open_regular, scan_folder)
 
 log = logging.getLogger(__name__)
-_SUFFIX = ".kvb"
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv/pwritev
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+TEMP_MAX_AGE_S = 3600.0  # a temp file this old is a leftover whoever wrote it: no write lasts an hour
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_warned_modes: set[str] = set()
 
 
 def _marker(ntok: int, key: bytes) -> str:
     return f"{ntok}.{key.hex()}"
 
 
-def _marker_ntok(name: str) -> int | None:
-    """Token count of a tail marker's name (``<ntok>.<key hex>``, or a bare ``<ntok>`` as older
-    versions wrote); None for anything else."""
-    head = name.split(".", 1)[0]
-    return int(head) if head.isdigit() and len(head) < 9 else None
+# ------------------------------------------------------------------------------ full disk
+class _FullDisk:
+    """A full filesystem (ENOSPC, EDQUOT) is logged once per burst, not once per block: the first
+    dropped block names the folder; the first write that succeeds afterwards says how much was
+    dropped meanwhile. Every drop is counted (``<tier>_full_drops``)."""
+
+    def __init__(self, label: str, folder: Path, counters: Counters, counter: str) -> None:
+        self._label, self._folder, self._counters, self._counter = label, folder, counters, counter
+        self._lock = threading.Lock()
+        self._blocks = self._bytes = 0
+
+    def dropped(self, err: OSError, path: str, size: int) -> None:
+        self._counters.inc(self._counter)
+        with self._lock:
+            first = self._blocks == 0
+            self._blocks += 1
+            self._bytes += size
+        if first:
+            log.warning("kvstrata %s: %s is full (%s): block %s (%d bytes) was not saved, nor will be any "
+                        "block until space returns; requests are served and recompute what is missing",
+                        self._label, self._folder, os.strerror(err.errno), os.path.basename(path), size)
+
+    def resumed(self) -> None:
+        if not self._blocks:  # the common case: no lock
+            return
+        with self._lock:
+            blocks, size = self._blocks, self._bytes
+            self._blocks = self._bytes = 0
+        if blocks:
+            log.warning("kvstrata %s: space is back in %s: saving again (%d blocks, %d bytes were dropped "
+                        "while it was full)", self._label, self._folder, blocks, size)
 
 
+# ------------------------------------------------------------------------------ the tier
 class DiskTier(BlockTier):
     name = "l2"
     bit = 2
+    label = "L2"
+    bounded = True  # writes take their bytes from ``capacity`` (a shared folder's sweep bounds it instead)
+    open_mode_bits = 0o022  # an existing root writable by these bits gets a warning (others can plant blocks)
 
     def __init__(self, counters: Counters, root: Path, capacity: int, fsync: bool = False,
                  delay_s: float = 0.0) -> None:
@@ -84,22 +122,60 @@ class DiskTier(BlockTier):
         self._fsync = fsync
         self._blocks = self.root / "blocks"
         self._tails = self.root / "tails"
-        for d in (self.root, self._blocks, self._tails):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
-        for top in (self._blocks, self._tails):
-            present = set(os.listdir(top))
-            for shard in (f"{i:02x}" for i in range(256)):
-                if shard not in present:
-                    try:
-                        os.mkdir(top / shard, 0o700)
-                    except FileExistsError:  # another process opening a fresh folder made it
-                        pass
+        if not make_folder(self.root, 0o700):
+            self._check_root_mode()
+        self._dir_mode, self._file_mode = self._modes()
+        self._bad = self._prepare(self._blocks) | self._prepare(self._tails)
         self._prefix = str(self._blocks) + os.sep
         self._lock = threading.Lock()
         self._used = 0
         self._seq = itertools.count()
         self._made: set[Path] = set()
+        self._full = _FullDisk(self.label, self.root, counters, f"{self.name}_full_drops")
+
+    # ------------------------------------------------------------ folders
+    def _modes(self) -> tuple[int, int]:
+        """Modes of the folders and files this tier creates: private (0700/0600)."""
+        return 0o700, 0o600
+
+    def _check_root_mode(self) -> None:
+        """The root existed: its mode is the owner's choice, never changed; warn (once per
+        process) if users other than its owner can write there."""
+        mode = stat.S_IMODE(os.stat(self.root).st_mode)
+        key = str(self.root)
+        if mode & self.open_mode_bits and key not in _warned_modes:
+            _warned_modes.add(key)
+            log.warning("kvstrata %s: %s has mode %s: other users can write there, and whoever writes there "
+                        "decides which KV this engine serves; kvstrata leaves the mode of a folder it did not "
+                        "create as it is (give it mode 0700, or let kvstrata create a new folder)",
+                        self.label, self.root, oct(mode))
+
+    def _prepare(self, top: Path) -> set[str]:
+        """Create ``top`` and its 256 shards (tolerating concurrent creators); the shards that are
+        not real folders (a planted symlink, a file) are returned and never used."""
+        make_folder(top, self._dir_mode)
+        try:
+            present = {e.name: e for e in os.scandir(top) if e.name in SHARDS}
+        except OSError:  # not a folder, or a dangling link: found out just below
+            present = {}
+        if not stat.S_ISDIR(os.lstat(top).st_mode):
+            log.warning("kvstrata %s: %s is not a real folder; this tier stores nothing", self.label, top)
+            return {f"{top.name}/{s}" for s in SHARDS}
+        bad = set()
+        for shard in SHARDS:
+            entry = present.get(shard)
+            if entry is None:
+                make_folder(top / shard, self._dir_mode)
+            elif not entry.is_dir(follow_symlinks=False):
+                bad.add(f"{top.name}/{shard}")
+        if bad:
+            log.warning("kvstrata %s: %d shard folders under %s are not real folders (e.g. symlinks) and are "
+                        "not used; blocks hashed to them are not stored: %s", self.label, len(bad), top,
+                        ", ".join(sorted(bad)[:8]))
+        return bad
+
+    def _usable(self, top: str, h: str) -> bool:
+        return not self._bad or f"{top}/{h[:2]}" not in self._bad
 
     # ------------------------------------------------------------------ paths
     def path(self, key: bytes) -> Path:
@@ -107,16 +183,22 @@ class DiskTier(BlockTier):
 
     def _file(self, key: bytes) -> str:
         h = key.hex()
-        return f"{self._prefix}{h[:2]}/{h}{_SUFFIX}"
+        return f"{self._prefix}{h[:2]}/{h}{SUFFIX}"
 
     def _tail_dir(self, parent: bytes) -> Path:
         h = parent.hex()
         return self._tails / h[:2] / h
 
-    def _ensure_dir(self, d: Path) -> None:
-        if d not in self._made:
-            d.mkdir(mode=0o700, exist_ok=True)  # its shard folder exists since start-up
-            self._made.add(d)
+    def stored_bytes(self, size: int) -> int:
+        return HEADER_SIZE + size
+
+    def _take(self, n: int) -> bool:
+        """Take ``n`` bytes of the capacity for a write (False: they are not there)."""
+        with self._lock:
+            if self.bounded and self._used + n > self._capacity:
+                return False
+            self._used += n
+        return True
 
     # -------------------------------------------------------------- interface
     def write(self, meta: EntryMeta, payload: torch.Tensor) -> bool:
@@ -125,46 +207,86 @@ class DiskTier(BlockTier):
     def write_views(self, meta: EntryMeta, parts: Sequence[memoryview]) -> bool:
         """``write`` of a payload given as consecutive runs (``parts`` total ``meta.size`` bytes):
         one ``pwritev`` of header + runs to a temp file, then the same rename publication, so the
-        file is byte-identical to one written from a contiguous payload."""
+        file is byte-identical to one written from a contiguous payload. Refused (False, counted)
+        when ``l2.size`` has no room for it."""
         if not meta.checksum:
             raise ValueError("disk writes need the payload checksum in meta")
         assert len(parts) < IOV_MAX, "more runs than one pwritev takes"
         h = meta.key.hex()
-        final = f"{self._prefix}{h[:2]}/{h}{_SUFFIX}"
+        final = f"{self._prefix}{h[:2]}/{h}{SUFFIX}"
+        cost = HEADER_SIZE + meta.size
+        if not self._usable("blocks", h) or (meta.tail and not self._usable("tails", meta.parent.hex())):
+            self.counters.inc(f"{self.name}_unusable_shard")
+            return False
+        if not self._take(cost):
+            self.counters.inc(f"{self.name}_no_room")
+            return False
         tmp = f"{self._prefix}{h[:2]}/.{h}.{os.getpid()}.{next(self._seq)}.tmp"
-        header = pack_header(meta)
         if self._delay_s:
             time.sleep(self._delay_s)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self._file_mode)
             try:
-                written = os.pwritev(fd, [header, *parts], 0)
-                if written != HEADER_SIZE + meta.size:
-                    raise OSError(errno.EIO, f"short write {written}")
+                _write_all(fd, [pack_header(meta), *parts], cost)
                 if self._fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, final)  # publish: same key means same bytes, so last rename wins
             if meta.tail:
-                tail = self._tail_dir(meta.parent)
-                self._ensure_dir(tail)
-                (tail / _marker(meta.ntok, meta.key)).touch(mode=0o600)
+                self._mark_tail(meta)
         except OSError as e:
+            with self._lock:
+                self._used -= cost
             self.counters.inc(f"{self.name}_write_errors")
-            log.warning("kvstrata L2: write of %s failed: %s", final, e)
+            if e.errno in _FULL:
+                self._full.dropped(e, final, meta.size)
+            else:
+                log.warning("kvstrata %s: write of %s failed: %s", self.label, final, e)
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             return False
-        with self._lock:
-            self._used += HEADER_SIZE + meta.size
+        self._full.resumed()
         self.counters.inc(f"{self.name}_bytes_written", meta.size)
         return True
 
+    def _mark_tail(self, meta: EntryMeta) -> None:
+        """Create the marker of a partial block, never through a symlink."""
+        tail = self._tail_dir(meta.parent)
+        if tail not in self._made:
+            make_folder(tail, self._dir_mode)  # its shard folder exists since start-up
+            self._made.add(tail)
+        try:
+            dfd = os.open(tail, OPEN_DIR)
+        except FileNotFoundError:  # removed meanwhile (``kvstrata check --fix`` drops empty ones)
+            make_folder(tail, self._dir_mode)
+            dfd = os.open(tail, OPEN_DIR)
+        try:
+            os.close(os.open(_marker(meta.ntok, meta.key), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+                             | os.O_NONBLOCK | os.O_CLOEXEC, self._file_mode, dir_fd=dfd))
+        finally:
+            os.close(dfd)
+
     def read(self, meta: EntryMeta, out: torch.Tensor) -> bool:
         return self.read_views(meta, [memoryview(out[: meta.size].numpy())])
+
+    def _open_block(self, key: bytes) -> tuple[int, os.stat_result] | None:
+        """The block file of ``key``, opened safely; None if absent, not usable or not a regular
+        file (counted, never deleted: it is not kvstrata's)."""
+        h = key.hex()
+        if not self._usable("blocks", h):
+            return None
+        path = self._file(key)
+        try:
+            return open_regular(path)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.debug("kvstrata %s: not opening %s: %s", self.label, path, e)
+            self.counters.inc(f"{self.name}_skipped_entries")
+            return None
 
     def read_views(self, meta: EntryMeta, parts: Sequence[memoryview]) -> bool:
         """``read`` into consecutive runs (writable, ``meta.size`` bytes in all): one ``preadv``
@@ -172,19 +294,15 @@ class DiskTier(BlockTier):
         assert len(parts) < IOV_MAX, "more runs than one preadv takes"
         path = self._file(meta.key)
         header = bytearray(HEADER_SIZE)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        opened = self._open_block(meta.key)
+        if opened is None:
             self.counters.inc(f"{self.name}_missing")
             return False
-        except OSError as e:
-            log.warning("kvstrata L2: cannot open %s: %s", path, e)
-            self.counters.inc(f"{self.name}_read_errors")
-            return False
+        fd = opened[0]
         try:
             got = os.preadv(fd, [header, *parts], 0)
         except OSError as e:
-            log.warning("kvstrata L2: read of %s failed: %s", path, e)
+            log.warning("kvstrata %s: read of %s failed: %s", self.label, path, e)
             self.counters.inc(f"{self.name}_read_errors")
             return False
         finally:
@@ -193,7 +311,7 @@ class DiskTier(BlockTier):
         if problem is None:
             self.counters.inc(f"{self.name}_bytes_read", meta.size)
             return True
-        log.warning("kvstrata L2: dropping %s: %s", path, problem)
+        log.warning("kvstrata %s: dropping %s: %s", self.label, path, problem)
         self.counters.inc("checksum_failures")
         self.delete(meta.key)
         return False
@@ -217,21 +335,22 @@ class DiskTier(BlockTier):
 
     def probe(self, key: bytes) -> EntryMeta | None:
         path = self._file(key)
-        try:
-            with open(path, "rb") as f:
-                header = f.read(HEADER_SIZE)
-                size = os.fstat(f.fileno()).st_size
-            meta = unpack_header(header, path)
-        except FileNotFoundError:
+        opened = self._open_block(key)
+        if opened is None:
             return None
+        fd, st = opened
+        try:
+            meta = unpack_header(os.pread(fd, HEADER_SIZE, 0), path)
         except OSError as e:
-            log.warning("kvstrata L2: unreadable block %s: %s", path, e)
+            log.warning("kvstrata %s: unreadable block %s: %s", self.label, path, e)
             self.counters.inc(f"{self.name}_read_errors")
             return None
         except FormatError as e:
             self._drop_damaged(key, e)
             return None
-        if meta.key != key or size != HEADER_SIZE + meta.size:
+        finally:
+            os.close(fd)
+        if meta.key != key or st.st_size != HEADER_SIZE + meta.size:
             self._drop_damaged(key, FormatError(f"{path}: header does not match its name or size"))
             return None
         return meta
@@ -239,79 +358,101 @@ class DiskTier(BlockTier):
     def _drop_damaged(self, key: bytes, err: FormatError) -> None:
         """A committed file that can never be served: delete it (it is counted once, here)."""
         if not err.corrupt:
-            log.debug("kvstrata L2: ignoring foreign block: %s", err)
+            log.debug("kvstrata %s: ignoring foreign block: %s", self.label, err)
             return
-        log.warning("kvstrata L2: dropping damaged block: %s", err)
+        log.warning("kvstrata %s: dropping damaged block: %s", self.label, err)
         self.counters.inc("checksum_failures")
         self.counters.inc(f"{self.name}_bad_headers")
         self.delete(key)
 
     def tail_lengths(self, parent: bytes) -> list[int]:
-        try:
-            names = os.listdir(self._tail_dir(parent))
-        except FileNotFoundError:
+        if not self._usable("tails", parent.hex()):
             return []
-        return sorted({n for n in map(_marker_ntok, names) if n is not None}, reverse=True)
+        try:
+            fd = os.open(self._tail_dir(parent), OPEN_DIR)
+        except OSError:  # absent, or not a real folder
+            return []
+        try:
+            names = os.listdir(fd)
+        finally:
+            os.close(fd)
+        return sorted({n for n in map(marker_ntok, names) if n is not None}, reverse=True)
 
     def delete(self, key: bytes) -> None:
-        path = self.path(key)
+        """Delete the block file of ``key`` if it is a regular file (never a link's target)."""
+        if not self._usable("blocks", key.hex()):
+            return
+        path = self._file(key)
         try:
-            size = path.stat().st_size
-            path.unlink()
-        except FileNotFoundError:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                return
+            os.unlink(path)
+        except OSError:
             return
         with self._lock:
-            self._used -= size
+            self._used -= st.st_size
 
     def delete_tail_marker(self, parent: bytes, ntok: int, key: bytes) -> None:
-        (self._tail_dir(parent) / _marker(ntok, key)).unlink(missing_ok=True)
+        if not self._usable("tails", parent.hex()):
+            return
+        try:
+            fd = os.open(self._tail_dir(parent), OPEN_DIR)
+        except OSError:
+            return
+        try:
+            st = os.stat(_marker(ntok, key), dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                os.unlink(_marker(ntok, key), dir_fd=fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def scan(self) -> Iterator[EntryMeta]:
         for meta, _path, _mtime in self.scan_files():
             yield meta
 
-    def scan_files(self) -> Iterator[tuple[EntryMeta, Path, float]]:
-        """Every committed block with its path and mtime; removes dead writers' temp files and
-        damaged blocks (foreign format versions are left alone). Also recomputes used bytes."""
+    @staticmethod
+    def temp_is_stale(pid: int, mtime: float) -> bool:
+        """Whether a temp file of writer ``pid`` is a leftover: its writer is gone (a local folder:
+        the pid is not alive on this host), or it is older than any write (``TEMP_MAX_AGE_S``)."""
+        return (pid != os.getpid() and not pid_alive(pid)) or time.time() - mtime > TEMP_MAX_AGE_S
+
+    def scan_files(self) -> Iterator[tuple[EntryMeta, str, float]]:
+        """Every committed block with its path and mtime (``scan_folder`` with ``fix``: removes
+        leftover temp files and damaged blocks of this format; everything else is left alone,
+        counted and logged once). Also recomputes used bytes."""
         used = 0
-        for path in self._blocks.glob("*/*"):
-            name = path.name
-            if name.endswith(".tmp"):
-                self._maybe_remove_temp(path)
-                continue
-            if not name.endswith(_SUFFIX):
-                continue
-            try:
-                st = path.stat()
-                with open(path, "rb") as f:
-                    meta = unpack_header(f.read(HEADER_SIZE), str(path))
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                log.warning("kvstrata L2: unreadable block file %s: %s", path, e)
-                continue
-            except FormatError as e:
-                if e.corrupt:
-                    log.warning("kvstrata L2: deleting damaged block file: %s", e)
-                    self.counters.inc(f"{self.name}_bad_headers")
-                    path.unlink(missing_ok=True)
-                continue
-            if st.st_size != HEADER_SIZE + meta.size:
-                log.warning("kvstrata L2: deleting truncated block file %s", path)
-                self.counters.inc(f"{self.name}_bad_headers")
-                path.unlink(missing_ok=True)
-                continue
-            used += st.st_size
-            yield meta, path, st.st_mtime
+        counts: Counter[str] = Counter()
+        first: dict[str, Found] = {}
+        for found in scan_folder(self.root, fix=True, stale_temp=self.temp_is_stale):
+            counts[found.kind] += 1
+            counts["removed_" + found.kind] += found.removed
+            if found.kind == BLOCK:
+                assert found.meta is not None
+                used += found.size
+                yield found.meta, found.path, found.mtime
+            else:
+                first.setdefault(found.kind, found)
         with self._lock:
             self._used = used
+        self._report(counts, first)
 
-    def _maybe_remove_temp(self, path: Path) -> None:
-        parts = path.name.split(".")  # "", key, pid, seq, "tmp"
-        pid = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else -1
-        if pid != os.getpid() and not _pid_alive(pid):
-            path.unlink(missing_ok=True)
-            self.counters.inc(f"{self.name}_temp_removed")
+    def _report(self, counts: Counter[str], first: dict[str, Found]) -> None:
+        """Count what a scan found besides blocks, and log each kind once."""
+        for counter, n in (("bad_headers", counts[DAMAGED]), ("temp_removed", counts["removed_" + TEMP]),
+                           ("skipped_entries", counts[SKIPPED]), ("other_versions", counts[OTHER_VERSION])):
+            if n:
+                self.counters.inc(f"{self.name}_{counter}", n)
+        if DAMAGED in first:
+            log.warning("kvstrata %s: deleted %d damaged block files in %s (first: %s: %s)", self.label,
+                        counts["removed_" + DAMAGED], self.root, first[DAMAGED].path, first[DAMAGED].why)
+        odd = first.get(SKIPPED) or first.get(OTHER_VERSION)
+        if odd is not None:
+            log.warning("kvstrata %s: %s holds %d entries kvstrata does not write or cannot open safely and %d "
+                        "blocks of other format versions; left alone (first: %s: %s; `kvstrata check` lists them)",
+                        self.label, self.root, counts[SKIPPED], counts[OTHER_VERSION], odd.path, odd.why)
 
     @property
     def used_bytes(self) -> int:
@@ -320,3 +461,24 @@ class DiskTier(BlockTier):
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
+
+
+def _write_all(fd: int, bufs: list[bytes | memoryview], total: int) -> None:
+    """Write ``bufs`` at offset 0 with one ``pwritev``. A nearly full disk returns a short count
+    before it fails with ENOSPC: the rest is then written on, so the caller sees the real error."""
+    done = os.pwritev(fd, bufs, 0)
+    if done == total:
+        return
+    skip, offset = done, done
+    for buf in bufs:
+        view = memoryview(buf).cast("B")
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        view, skip = view[skip:], 0
+        while len(view):
+            n = os.pwrite(fd, view, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write at offset {offset}")
+            offset += n
+            view = view[n:]

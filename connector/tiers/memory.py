@@ -10,9 +10,12 @@ its intra-op thread pool, which collapses when the engine's own threads load eve
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import re
+import stat
 import threading
 import time
 from typing import Iterator, Sequence
@@ -21,10 +24,14 @@ import torch
 
 from ..index import EntryMeta
 from ..metrics import Counters
-from .base import BlockTier
+from .base import BlockTier, pid_alive
 
 log = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python < 3.13 lacks the name
+ARENA_GRACE_S = 10.0  # an arena younger than this is never removed (its creator may not hold its lock yet)
+_ARENA_RE = re.compile(r"kvstrata-([1-9][0-9]{0,6})-[0-9a-f]{8}")
+_arena_locks: dict[str, int] = {}  # path -> fd holding the flock of an arena this process created
+_arena_locks_guard = threading.Lock()
 
 
 def create_shared_arena(path: str, num_slots: int, slot_bytes: int) -> tuple[torch.Tensor, "Prefaulter"]:
@@ -33,6 +40,11 @@ def create_shared_arena(path: str, num_slots: int, slot_bytes: int) -> tuple[tor
     The file's pages are allocated up front (``posix_fallocate``): a full tmpfs (``/dev/shm`` by
     default) then fails here with a clear message instead of killing the process with SIGBUS on a
     later write, and no block copy pays for allocating and zeroing pages.
+
+    The creating process holds an exclusive ``flock`` on the file until ``release_shared_arena``
+    (the kernel drops it when the process ends, however it ends): that lock, not the pid in the
+    name, is what tells ``remove_dead_arenas`` in another process that the arena is alive (that
+    process may be in another PID namespace sharing the folder, where the pid means nothing).
     """
     size = num_slots * slot_bytes
     folder = os.path.dirname(path) or "."
@@ -41,8 +53,9 @@ def create_shared_arena(path: str, num_slots: int, slot_bytes: int) -> tuple[tor
     if size > free:
         raise ValueError(f"l1.size: the shared L1 arena needs {size} bytes but {folder} has only "
                          f"{free} free; lower l1.size or enlarge {folder}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
@@ -50,8 +63,74 @@ def create_shared_arena(path: str, num_slots: int, slot_bytes: int) -> tuple[tor
         os.unlink(path)
         raise ValueError(f"l1.size: cannot allocate the {size}-byte shared L1 arena in {folder}: {e}; "
                          f"lower l1.size or enlarge {folder}") from None
-    os.close(fd)
+    with _arena_locks_guard:
+        _arena_locks[path] = fd
     return attach_shared_arena(path, num_slots, slot_bytes)
+
+
+def release_shared_arena(path: str) -> None:
+    """Unlink an arena this process created and drop its lock (mappings stay valid until their
+    processes drop them). Idempotent."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    with _arena_locks_guard:
+        fd = _arena_locks.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def remove_dead_arenas(folder: str) -> list[str]:
+    """Delete the arenas in ``folder`` (``kvstrata-<pid>-<hex>``) whose creator is gone, and
+    return their names. A file in /dev/shm lives until deleted, and holds its memory until then.
+
+    An arena is removed only if all of these hold: it is a regular file (nothing is followed);
+    it is older than ``ARENA_GRACE_S``; the pid in its name is not alive here; and its creator's
+    lock can be taken, i.e. no process anywhere holds it (a live peer in another PID namespace
+    sharing the folder does, whatever its pid looks like here). The lock is held while unlinking."""
+    removed: list[str] = []
+    try:
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return removed
+    try:
+        with os.scandir(dfd) as it:
+            entries = [e for e in it if _ARENA_RE.fullmatch(e.name)]
+        for entry in entries:
+            if _dead_arena(entry, dfd):
+                removed.append(entry.name)
+    finally:
+        os.close(dfd)
+    return removed
+
+
+def _dead_arena(entry: os.DirEntry, dfd: int) -> bool:
+    pid = int(entry.name.split("-")[1])
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < ARENA_GRACE_S or pid_alive(pid):
+        return False
+    try:
+        fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return False
+    try:
+        now = os.fstat(fd)
+        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):  # replaced since it was listed
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its creator is alive, wherever it runs
+            return False
+        os.unlink(entry.name, dir_fd=dfd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def attach_shared_arena(path: str, num_slots: int, slot_bytes: int) -> tuple[torch.Tensor, "Prefaulter"]:
@@ -281,10 +360,7 @@ class MemoryTier(BlockTier):
 
     def close(self) -> None:
         if self.shared_path:
-            try:
-                os.unlink(self.shared_path)  # mappings stay valid until their processes drop them
-            except FileNotFoundError:
-                pass
+            release_shared_arena(self.shared_path)  # mappings stay valid until their processes drop them
 
     @property
     def used_bytes(self) -> int:

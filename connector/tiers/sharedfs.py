@@ -6,11 +6,18 @@ filesystems, no locks needed, which NFS lacks), headers probed for discovery, an
 epochs in one small file each, replaced atomically and checked with one ``stat()`` per lookup.
 A read touches the file's mtime: that is the block's lease, and ``kvstrata gc`` (LRU beyond
 ``remote.size``) never deletes a block read within ``lease_seconds``.
+
+Every host writes here, so the folder is treated like L2's, only more so: no symlink is followed,
+nothing but kvstrata's own regular files is deleted, and a temp file is a leftover only once it is
+older than any write (``TEMP_MAX_AGE_S``): its pid means nothing on this host. The folder's mode is
+its owner's choice; folders and files created here take the group bits of its root, so that
+instances running as different users of one group can share it.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 
 import torch
@@ -19,22 +26,35 @@ from ..blockfmt import HEADER_SIZE
 from ..config import RemoteConfig
 from ..index import EntryMeta
 from ..metrics import Counters
-from .disk import DiskTier
+from .disk import TEMP_MAX_AGE_S, DiskTier
 
 
 class SharedFsTier(DiskTier):
     name = "remote"
     bit = 4
+    label = "shared folder"
+    bounded = False  # other instances write here too: only the folder-wide sweep enforces the bound
+    open_mode_bits = 0o002  # group-writable is how a shared folder is shared; world-writable gets a warning
 
     def __init__(self, counters: Counters, cfg: RemoteConfig) -> None:
         assert cfg.path is not None
         super().__init__(counters, cfg.path, cfg.size)
 
+    def _modes(self) -> tuple[int, int]:
+        """The root's group bits carried to the folders (rwx) and files (r) created here."""
+        group = stat.S_IMODE(os.stat(self.root).st_mode) & 0o070
+        return 0o700 | group, 0o600 | (group & 0o040)
+
+    @staticmethod
+    def temp_is_stale(pid: int, mtime: float) -> bool:
+        """Another host may own ``pid``: only age tells a leftover from a write in progress."""
+        return time.time() - mtime > TEMP_MAX_AGE_S
+
     def read(self, meta: EntryMeta, out: torch.Tensor) -> bool:
         ok = super().read(meta, out)
         if ok:
             try:
-                os.utime(self._file(meta.key), (time.time(), time.time()))  # renew the lease
+                os.utime(self._file(meta.key), (time.time(), time.time()), follow_symlinks=False)  # renew the lease
             except OSError:
                 pass
         return ok
@@ -47,17 +67,17 @@ class SharedFsTier(DiskTier):
         """Delete least recently read blocks beyond ``remote.size``, never one read or written
         within ``lease_s`` (its lease). Returns how many were deleted."""
         files = []
-        for meta, path, mtime in self.scan_files():
-            files.append((mtime, path, meta))
-        total = sum(HEADER_SIZE + m.size for _, _, m in files)
+        for meta, _path, mtime in self.scan_files():
+            files.append((mtime, meta))
+        total = sum(HEADER_SIZE + m.size for _, m in files)
         removed = 0
         fresh = time.time() - lease_s
-        for mtime, path, meta in sorted(files, key=lambda f: f[0]):
+        for mtime, meta in sorted(files, key=lambda f: f[0]):
             if total <= self.capacity_bytes:
                 break
             if mtime >= fresh:
                 continue
-            path.unlink(missing_ok=True)
+            self.delete(meta.key)
             if meta.tail:
                 self.delete_tail_marker(meta.parent, meta.ntok, meta.key)
             total -= HEADER_SIZE + meta.size
