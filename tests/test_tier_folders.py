@@ -31,7 +31,6 @@ from typing import Any, Callable, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from conftest import (BLOCK_BYTES, BLOCK_SIZE, assert_payloads_match, load_hit, make_config,  # noqa: E402
@@ -113,7 +112,7 @@ class Planted(NamedTuple):
     root: Path
     outside: Path
     served: list  # (tokens, chain) the store must keep serving
-    hidden: list  # tokens whose only copies are reachable only through links: never served
+    hidden: list  # tokens whose only stored copy is a planted entry (link, FIFO, other version): never served
     fifos: list[Path]
     entries: list[Path]  # planted entries in the tier that must survive everything
     blocks: int  # servable block files in the tier
@@ -128,7 +127,7 @@ def _plant(tmp_path: Path, ns, kinds: set[str]) -> Planted:
     block of another format version)."""
     root, outside = tmp_path / "l2", tmp_path / "outside"
     cfg = tmp_path / "kvstrata.yaml"
-    cfg.write_text(f"l1:\n  size: 1MiB\n  pin_memory: false\nl2:\n  path: {root}\n  size: 64MiB\n")
+    cfg.write_text(f"l1:\n  size: 1MiB\n  pin_memory: false\nl2:\n  path: {json.dumps(str(root))}\n  size: 64MiB\n")
     outside.mkdir()
     (outside / "notes.txt").write_text("not kvstrata's\n")
     served, hidden, fifos, entries = [], [], [], []
