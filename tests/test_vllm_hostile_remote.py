@@ -1,0 +1,141 @@
+"""A real vLLM engine (CPU, tiny model) with a Redis shared tier, fed hostile values in Redis while
+it serves: bad block values of every kind, bad epoch values and key types, junk announcements.
+
+One engine start. Its L1 and L2 are small (40 blocks), so the prompts it stored first are soon held
+by Redis only, and asking for them again reads Redis. Every prompt is LONG under its own cache salt
+(its own keys, the same outputs), so one baseline run without kvstrata checks every answer.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+import redisutil
+from kvstrata.blockfmt import HEADER_SIZE, pack_header, payload_checksum, unpack_header
+from kvstrata.keys import chain_keys, extra_digest, root_key
+from test_vllm import BS, LONG, baseline, gen, model  # noqa: F401  (fixtures)
+from test_vllm_remote import _finish, _start, _wait
+
+pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
+
+BAD_BLOCK = 4  # the block whose value is replaced; blocks 0-3 load, the rest is recomputed
+BLOCK_CASES = ["truncated", "wrong_size", "other_key", "garbage", "wrong_type", "flipped"]
+EPOCH_CASES = ["junk", "2^64", "negative", "megabyte", "hash", "messages"]
+FILLERS = 3  # prompts stored after the block cases, pushing them out of L1 and L2
+
+
+def hostile_config(tmp: Path, url: str) -> Path:
+    """L1 and L2 of 40 blocks of the tiny model (64 KiB each); the shared tier is the Redis."""
+    path = tmp / "hostile.yaml"
+    path.write_text("\n".join([
+        "l1:", "  size: 2560KiB", "l2:", f"  path: {tmp / 'l2'}", "  size: 2560KiB",
+        "remote:", "  enabled: true", f"  url: {url}", "  timeout_ms: 500"]) + "\n")
+    return path
+
+
+def block_value(client: redis.Redis, case: str, name: str, other: str) -> None:
+    """Replace the block value ``name`` the way ``case`` says (``other``: another block's value)."""
+    value = client.get(name)
+    assert value is not None and len(value) > HEADER_SIZE, f"{name} is not in Redis"
+    if case == "truncated":
+        client.set(name, value[: HEADER_SIZE + (len(value) - HEADER_SIZE) // 2])
+    elif case == "wrong_size":  # a valid header and checksum for half the bytes
+        meta = unpack_header(value)
+        half = value[HEADER_SIZE : HEADER_SIZE + meta.size // 2]
+        meta = meta._replace(size=len(half), checksum=payload_checksum(half))
+        client.set(name, pack_header(meta) + half)
+    elif case == "other_key":
+        client.set(name, client.get(other))
+    elif case == "garbage":
+        client.set(name, os.urandom(len(value)))
+    elif case == "wrong_type":
+        client.delete(name)
+        client.hset(name, "kv", "not a block")
+    elif case == "flipped":
+        data = bytearray(value)
+        data[-5] ^= 0x10
+        client.set(name, bytes(data))
+
+
+def epoch_value(client: redis.Redis, case: str, key: str, seed_hex: str) -> None:
+    if case == "junk":
+        client.set(key, b"not a generation \xff")
+    elif case == "2^64":
+        client.set(key, str(1 << 64))
+    elif case == "negative":
+        client.set(key, "-12")
+    elif case == "megabyte":
+        client.set(key, b"9" * (1 << 20))
+    elif case == "hash":
+        client.delete(key)
+        client.hset(key, "generation", "1")
+    elif case == "messages":  # the channel: only a namespace makes an instance re-read
+        for message in (str(1 << 64), "zz:1", b"\xff" * 40, b"7" * (1 << 20), f"{seed_hex}:{1 << 64}"):
+            client.publish("kvstrata:epochs", message)
+
+
+def test_engine_serves_every_request_right_while_redis_holds_hostile_values(model, baseline, tmp_path):
+    with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
+        client = redis.Redis.from_url(url)
+        names = ["filled", "blocks_done", *EPOCH_CASES, *[f"{c}_ready" for c in EPOCH_CASES]]
+        files = {name: tmp_path / name for name in names}
+        steps: list[dict] = []
+        for case in BLOCK_CASES:
+            steps += [gen(LONG, salt=f"block-{case}"), {"op": "sleep", "s": 0.3}]
+        for i in range(FILLERS):
+            steps += [gen(LONG, salt=f"filler-{i}"), {"op": "sleep", "s": 0.3}]
+        steps += [{"op": "signal", "file": str(files["filled"])}, {"op": "wait", "file": str(files["blocks_done"])},
+                  {"op": "reset"}]  # vLLM's own prefix cache: from here kvstrata answers
+        first_block_case = len(steps)
+        steps += [gen(LONG, salt=f"block-{case}") for case in BLOCK_CASES]
+        first_epoch_case = len(steps)
+        for case in EPOCH_CASES:
+            steps += [{"op": "signal", "file": str(files[f"{case}_ready"])}, {"op": "wait", "file": str(files[case])},
+                      {"op": "sleep", "s": 0.2}, gen(LONG, salt=f"epoch-{case}")]
+        steps += [{"op": "reset"}, gen(LONG, salt="epoch-messages"), {"op": "counters"}]
+
+        proc, log = _start(model, tmp_path, hostile_config(tmp_path, url), steps)
+        _wait(files["filled"], [proc])
+        epoch_keys = list(client.scan_iter("kvstrata:epoch:*"))
+        assert len(epoch_keys) == 1, epoch_keys
+        seed_hex = epoch_keys[0].decode().rsplit(":", 1)[1]
+        root = root_key(bytes.fromhex(seed_hex), int(client.get(epoch_keys[0])))
+        for case in BLOCK_CASES:
+            keys = chain_keys(root, np.array(LONG, np.uint32), BS, extra_digest([f"salt:block-{case}"]),
+                              partial=False).keys
+            names = [f"kvstrata:{{{k.hex()}}}:p" for k in keys]
+            assert all(client.exists(n) for n in names), f"{case}: the engine did not store every block"
+            block_value(client, case, names[BAD_BLOCK], names[BAD_BLOCK + 2])
+        files["blocks_done"].touch()
+        for case in EPOCH_CASES:
+            _wait(files[f"{case}_ready"], [proc])
+            epoch_value(client, case, epoch_keys[0].decode(), seed_hex)
+            files[case].touch()
+        out = _finish(proc, log)
+        final_type = client.type(epoch_keys[0])
+        final_epoch = client.get(epoch_keys[0]) if final_type == b"string" else None
+
+    generated = [r for r in out if "tokens" in r]
+    assert len(generated) == len(BLOCK_CASES) + FILLERS + len(BLOCK_CASES) + len(EPOCH_CASES) + 1
+    assert all(r["tokens"] == baseline["long"] for r in generated), "an answer differs from vLLM alone"
+    for i, case in enumerate(BLOCK_CASES):  # blocks before the bad one came from Redis, no more
+        assert out[first_block_case + i]["cached"] == BAD_BLOCK * BS, case
+    for i in range(len(EPOCH_CASES)):  # a fresh generation each time: nothing old is served
+        assert out[first_epoch_case + 4 * i + 3]["cached"] == 0, EPOCH_CASES[i]
+    assert out[-2]["cached"] == len(LONG) - 1  # and the shared tier still works after all that
+    counters = out[-1]
+    assert counters.get("remote_wrong_size") == 2  # truncated, and a header saying another size
+    assert counters.get("remote_wrong_key") == 1
+    assert counters.get("remote_bad_headers") == 1
+    assert counters.get("checksum_failures") == 1
+    assert counters.get("remote_wrong_type") == 2  # a block value and the epoch key
+    assert counters.get("remote_bad_epochs") == 4  # junk, 2^64, negative, a megabyte
+    assert counters.get("remote_bad_messages") == 4
+    assert counters.get("hit_blocks_remote") == BAD_BLOCK * len(BLOCK_CASES)
+    assert counters.get("remote_errors", 0) == 0 and counters.get("remote_circuit_opened", 0) == 0
+    assert final_type == b"string" and final_epoch is not None and final_epoch.isdigit()  # repaired
