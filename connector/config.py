@@ -216,14 +216,17 @@ class _Refused(yaml.YAMLError):
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader (plain data, never Python objects) that stops at ``MAX_DEPTH`` levels
-    while composing, long before the composer's recursion could reach Python's limit, and turns a
-    value its constructors cannot make (an integer of more than 4300 digits) into a marked error."""
+    """PyYAML's SafeLoader (plain data, never Python objects) that stops composing at
+    ``MAX_DEPTH`` levels, long before the composer's recursion could reach Python's limit, and at
+    ``MAX_VALUES`` nodes, so that a 1 MiB file is not parsed in full (seconds) to be refused after;
+    an alias counts once here and at every use in ``check_shape``. A value its constructors cannot
+    make (an integer of more than 4300 digits) becomes a marked error."""
 
     def __init__(self, stream: str, name: str) -> None:
         super().__init__(stream)
         self.name = name  # marks in messages say: in "<file>", line 3, column 9
         self._depth = 0
+        self._nodes = 0
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
@@ -234,11 +237,14 @@ class _BoundedLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
+        self._nodes += 1
         try:
-            if self._depth > MAX_DEPTH:
+            if self._depth > MAX_DEPTH or self._nodes > MAX_VALUES:
                 mark = self.peek_event().start_mark
-                raise _Refused(f"nested deeper than {MAX_DEPTH} levels at line {mark.line + 1}, column "
-                               f"{mark.column + 1} (kvstrata's keys go {OWN_DEPTH} deep)")
+                what = (f"nested deeper than {MAX_DEPTH} levels" if self._depth > MAX_DEPTH
+                        else f"more than {MAX_VALUES} values")
+                raise _Refused(f"{what} at line {mark.line + 1}, column {mark.column + 1} "
+                               f"(kvstrata's keys go {OWN_DEPTH} deep; a config has about 40 values)")
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
