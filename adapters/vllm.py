@@ -332,9 +332,13 @@ class _SchedulerSide:
             with self._lock:
                 st.staging, st.staged, st.from_disk = False, True, missing
 
+        def failed() -> None:  # the request must not wait forever for a job that raised
+            with self._lock:
+                st.staging, st.staged = False, True
+
         with self._lock:
             st.staging = True
-        if not self.store.submit(missing, job):
+        if not self.store.submit(missing, job, on_fail=failed):
             with self._lock:
                 st.staging, st.staged = False, True  # queue full: serve what L1 has
         return False

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import stat
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
@@ -64,6 +66,18 @@ def parse_generation(raw: object) -> int | None:
     return value if 0 < value <= MAX_GENERATION else None
 
 
+def _read_head(path: Path, limit: int) -> bytes:
+    """The first ``limit`` bytes of a regular file, never following a symlink or waiting on a
+    FIFO (a planted one would hang the engine's start); anything else raises ``OSError``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
 class Retired:
     """Generations seen replaced, per namespace (bounded), optionally persisted in a folder.
 
@@ -72,8 +86,9 @@ class Retired:
     even by a freshly started process that shares this folder.
     """
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, file_mode: int = 0o600) -> None:
         self._root = root
+        self._mode = file_mode
         self._lock = threading.Lock()
         self._ids: dict[bytes, deque[int]] = {}
 
@@ -87,7 +102,7 @@ class Retired:
             path = self._file(ns_seed)
             if path is not None:
                 try:
-                    text = path.read_text(encoding="ascii", errors="replace")
+                    text = _read_head(path, 32 * _KEEP_RETIRED).decode("ascii", errors="replace")
                 except OSError:
                     text = ""
                 for line in text.splitlines()[-_KEEP_RETIRED:]:
@@ -112,16 +127,33 @@ class Retired:
                 return
             text = "".join(f"{g}\n" for g in ids)
         try:
-            _write_atomic(path, text)
+            _write_atomic(path, text, self._mode)
         except OSError as e:  # the floor is a second line of defence: never fail a lookup on it
             log.warning("kvstrata epochs: cannot record retired generation in %s: %s", path, e)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+def _temp_name(path: Path, suffix: str) -> Path:
+    # random part: hosts sharing the folder may run writers with the same pid and thread id
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{suffix}")
+
+
+def _write_new(tmp: Path, text: str, mode: int) -> None:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)  # exact bits, whatever the umask
+        os.write(fd, text.encode("ascii"))
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    tmp = _temp_name(path, "tmp")
+    try:
+        _write_new(tmp, text, mode)
+        os.replace(tmp, path)  # replaces a planted link or FIFO itself, never what it points to
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class EpochStore(ABC):
@@ -177,30 +209,58 @@ class FileEpochs(EpochStore):
     retired one, is lost state and is replaced by a fresh generation.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, modes: tuple[int, int] = (0o700, 0o600)) -> None:
+        """``modes``: of the folder (if created here) and of the files written; a shared folder
+        passes its group bits so that every instance of the group can read and replace them."""
         self._root = root
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._file_mode = modes[1]
+        from .tiers.folder import make_folder  # here: the tiers package imports this module
+
+        make_folder(root, modes[0])  # concurrent creators are fine; an existing folder keeps its mode
         self._lock = threading.Lock()
         self._cache: dict[bytes, tuple[tuple[int, int, int], int]] = {}
-        self.retired = Retired(root)
+        self._private: dict[bytes, int] = {}
+        self.retired = Retired(root, modes[1])
 
     def _path(self, ns_seed: bytes) -> Path:
         return self._root / ns_seed.hex()
 
     def get(self, ns_seed: bytes) -> int:
+        """Never raises: a namespace whose file cannot be read or written (a planted folder, a
+        read-only or full disk) gets a generation private to this process, so its blocks are
+        misses for everyone else and nothing older becomes valid."""
+        try:
+            gen = self._get(ns_seed)
+        except OSError as e:
+            with self._lock:
+                private = self._private.get(ns_seed)
+                if private is None:
+                    private = self._private[ns_seed] = new_generation()
+                    log.warning("kvstrata epochs: %s; namespace %s uses a generation private to this "
+                                "process (no sharing of its blocks until this is fixed)", e, ns_seed.hex())
+            return private
+        with self._lock:
+            self._private.pop(ns_seed, None)
+        return gen
+
+    def _get(self, ns_seed: bytes) -> int:
         path = self._path(ns_seed)
         for _ in range(8):  # a concurrent create or replace: read again
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
             except FileNotFoundError:
                 self._create(path)
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a planted link, FIFO or folder is lost state
+                log.warning("kvstrata epochs: %s is not a regular file; starting a new generation", path)
+                self._replace(ns_seed, None)
                 continue
             stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
             cached = self._cache.get(ns_seed)
             if cached and cached[0] == stamp:
                 return cached[1]
             try:
-                raw = path.read_bytes()[:64]
+                raw = _read_head(path, 64)
             except FileNotFoundError:
                 continue
             except OSError as e:
@@ -222,9 +282,8 @@ class FileEpochs(EpochStore):
         raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable generation")
 
     def _create(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.new")
-        tmp.write_text(f"{new_generation()}\n")
-        os.chmod(tmp, 0o600)
+        tmp = _temp_name(path, "new")
+        _write_new(tmp, f"{new_generation()}\n", self._file_mode)
         try:
             os.link(tmp, path)  # atomic create-if-absent: the first creator wins
         except FileExistsError:
@@ -236,7 +295,7 @@ class FileEpochs(EpochStore):
         if old is not None:
             self.retired.add(ns_seed, old)
         gen = new_generation()
-        _write_atomic(self._path(ns_seed), f"{gen}\n")
+        _write_atomic(self._path(ns_seed), f"{gen}\n", self._file_mode)
         return gen
 
     def bump(self, ns_seed: bytes) -> int:

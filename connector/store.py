@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .blockfmt import payload_checksum, payload_checksum_of
-from .config import StrataConfig
+from .config import StrataConfig, check_fits_one_block
 from .epochs import EpochStore, FileEpochs, MemoryEpochs
 from .index import BlockIndex, EntryMeta
 from .keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, chain_keys, root_key
@@ -87,6 +87,8 @@ class BlockStore:
         engine's workers copy KV in and out of it); ``l1_slot_bytes`` fixes the slot size now
         instead of at the first save."""
         self.config = config = config or StrataConfig()
+        if l1_slot_bytes:
+            check_fits_one_block(config, l1_slot_bytes)
         self.counters = Counters()
         self.index = BlockIndex(key_bits=config.testing.key_bits, lease_s=config.lease_seconds)
         self.l1 = MemoryTier(self.counters, config.l1.size, l1_slot_bytes, config.l1.pin_memory,
@@ -187,6 +189,7 @@ class BlockStore:
     def _adopt(self, seed: bytes, epoch: int, chain: BlockChain, i: int) -> bool:
         """Commit the blocks from ``i`` on that a backing tier holds under their keys (one batched
         header probe per tier: O(1) round trips for a remote tier)."""
+        size = self._block_size(chain, i)
         for tier in self.backing:
             metas = tier.probe_many(chain.keys[i:])
             good = []
@@ -195,11 +198,30 @@ class BlockStore:
                 if (meta is None or meta.ns_seed != seed or meta.epoch != epoch or meta.parent != chain.parents[k]
                         or meta.fp != chain.fps[k] or meta.ntok != chain.lengths[k]):
                     break
+                if meta.size != (size or meta.size):  # every block of a namespace has one size
+                    self.counters.inc("adopt_wrong_size")
+                    break
+                size = meta.size
                 good.append(meta)
             if good:
                 self.index.commit_many(good, tier.bit)
                 return self.index.match(seed, epoch, chain, i) > 0
         return False
+
+    def _block_size(self, chain: BlockChain, i: int) -> int:
+        """The byte size every block of ``chain`` must have (0: not known yet): the L1 slot size
+        when it is fixed, else the size of the block before ``i``. A header from a backing tier
+        claiming another size is forged or foreign: staged, it would fill part of a slot and leave
+        the rest of it stale."""
+        if self.l1.slot_bytes:
+            return self.l1.slot_bytes
+        if i:
+            rows = self.index.rows_of(chain.keys[i - 1 : i])
+            if len(rows) and rows[0] >= 0:
+                meta = self.index.metas(rows[:1], chain.keys[i - 1 : i])[0]
+                if meta is not None:
+                    return meta.size
+        return 0
 
     def _match_tail(self, ns: Namespace, epoch: int, parent: bytes, rest: np.ndarray,
                     extra: bytes) -> BlockChain | None:
@@ -313,14 +335,19 @@ class BlockStore:
         ``on_done(blocks_stored)`` is called.
         """
         n = len(chain.keys)
+        reported = threading.Event()  # on_done runs exactly once, even when the job raises
+
+        def report(k: int) -> None:
+            if on_done is not None and not reported.is_set():
+                reported.set()
+                on_done(k)
 
         def job() -> None:
             stored = self._put_chain(ns, epoch, chain, payloads)
-            if on_done is not None:
-                on_done(len(stored))
+            report(len(stored))
             self._write_through(stored)
 
-        if self._saver.submit(n, job):
+        if self._saver.submit(n, job, on_fail=lambda: report(0)):
             return True
         self.counters.inc("saves_dropped", n)
         return False
@@ -347,6 +374,8 @@ class BlockStore:
         if not chain.keys:
             return []
         rows = _byte_rows(payloads)
+        if len(rows) != len(chain.keys):  # a shorter batch would be broadcast into the other slots
+            raise ValueError(f"{len(rows)} payloads for a chain of {len(chain.keys)} blocks")
         todo, metas = self._metas(ns, epoch, chain, rows[0].numel() if len(rows) else 0)
         if not todo:
             return []
@@ -408,7 +437,8 @@ class BlockStore:
             return 0
         stored = self._publish(res)
         self.counters.inc("saved_blocks", len(stored))
-        if stored and self.l2 is not None and self.config.l2.write == "through":
+        writes_now = self.remote is not None or (self.l2 is not None and self.config.l2.write == "through")
+        if stored and writes_now:  # the shared tier is always written through (see _write_through)
             if not self._saver.submit(len(stored), lambda: self._write_through(stored)):
                 self.counters.inc("saves_dropped", len(stored))
         return len(stored)
@@ -598,9 +628,11 @@ class BlockStore:
     def l1_slots(self, hit: Hit) -> list[int | None]:
         return self.l1.slots_of(hit.chain.keys)
 
-    def submit(self, n_blocks: int, job: Callable[[], None]) -> bool:
-        """Run ``job`` on the background queue (False, and nothing queued, when it is full)."""
-        return self._saver.submit(n_blocks, job)
+    def submit(self, n_blocks: int, job: Callable[[], None],
+               on_fail: Callable[[], None] | None = None) -> bool:
+        """Run ``job`` on the background queue (False, and nothing queued, when it is full);
+        ``on_fail`` runs if it raises."""
+        return self._saver.submit(n_blocks, job, on_fail)
 
     def _evict_l1(self, row: int) -> None:
         meta = self.index.meta(row)

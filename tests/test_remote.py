@@ -184,3 +184,29 @@ def test_fs_gc_keeps_capacity_and_spares_leased_blocks(tmp_path):
     assert a.remote.sweep(lease_s=0) == 20
     assert len(list((tmp_path / "shared" / "blocks").glob("*/*.kvb"))) == 20
     a.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "fs"], indirect=True)
+def test_engine_save_path_publishes_to_the_shared_tier_without_l2(tmp_path, backend):
+    """Scenario: `l2.enabled: false` with a shared tier, and blocks saved the way the vLLM
+    connector saves them (reserve L1 slots, fill them, commit). The commit must reach the shared
+    tier: before, it was written through only when L2 was on and write-through."""
+    def no_l2(name: str) -> BlockStore:
+        overrides = {"l1.size": "4MiB", "l1.pin_memory": False, "l2.enabled": False,
+                     "l2.path": str(tmp_path / name / "l2"),
+                     **{f"remote.{k}": v for k, v in backend.items()}, "remote.enabled": True}
+        return BlockStore(load_config(None, overrides), l1_slot_bytes=SIZE)
+
+    tokens = prompt(7, 8 * 16)
+    with no_l2("a") as a, no_l2("b") as b:
+        epoch, chain = a.chain(NS, tokens)
+        res = a.reserve(NS, epoch, chain, SIZE)
+        assert len(res.slots) == 8
+        a.l1.data[res.slots] = payloads(chain)
+        assert a.commit(res) == 8
+        a.flush()
+        hit = b.lookup(NS, tokens)
+        assert hit.num_blocks == 8
+        out = torch.zeros((8, SIZE), dtype=torch.uint8)
+        assert b.load(hit, out) == 8
+        assert torch.equal(out, payloads(chain))

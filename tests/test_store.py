@@ -441,6 +441,22 @@ def test_save_returns_immediately_and_on_done_reports_count(store_factory, ns):
     assert store.lookup(ns, random_tokens("b", 20)).num_tokens == 20
 
 
+def test_failed_save_job_still_calls_on_done_with_zero(store_factory, ns, caplog):
+    """Scenario: a save whose job raises (here: payloads for 1 block of a 3-block chain). The
+    engine holds its buffers until on_done: it must hear back, once, with 0 stored, and the
+    error is logged with its traceback. Before, the one payload row was broadcast into all
+    three slots and stored as the bytes of blocks 1 and 2 (wrong KV); and a job that raised
+    never called on_done."""
+    store = store_factory()
+    epoch, chain = store.chain(ns, random_tokens("short", 48))
+    done: list[int] = []
+    assert store.save(ns, epoch, chain, payloads_for(chain)[:1], on_done=done.append)
+    assert store.flush(timeout=10)
+    assert done == [0]
+    assert "save failed" in caplog.text
+    assert store.lookup(ns, random_tokens("short", 48)).num_blocks == 0
+
+
 def test_save_is_refused_and_counted_when_the_queue_is_full(store_factory, ns):
     """Scenario: saves.queue_blocks is 2 and a 2-block save is stuck in on_done; a further save
     returns False immediately, counts its blocks in saves_dropped, and is never stored."""

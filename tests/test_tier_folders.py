@@ -639,3 +639,65 @@ def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
 if __name__ == "__main__":
     if sys.argv[1] == "full-disk":
         _full_disk_child(Path(sys.argv[2]))
+
+
+# ---------------------------------------------------------------- the epochs folder, planted
+@pytest.mark.parametrize("plant", ["fifo", "symlink", "folder"])
+def test_planted_epoch_file_neither_hangs_nor_is_followed_and_makes_a_new_generation(tmp_path, plant):
+    """Scenario: the epochs folder (beside the tier, and on a shared folder) is writable by
+    others. Someone puts a FIFO, a link to a file outside (holding a valid-looking generation)
+    or a folder where a namespace's epoch file and its floor (``.retired``) go. Opening a store
+    and looking up must not wait on the FIFO, must not read or change the file outside, and the
+    namespace gets a fresh generation (older blocks are misses, never valid again)."""
+    ns = make_namespace()
+    with BlockStore(make_config(tmp_path)) as a:
+        store_prompt(a, ns, random_tokens("epoch", 48))
+        old = a.epochs.get(ns.seed)
+    epochs = tmp_path / "l2" / "epochs"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "generation"
+    target.write_text(f"{old}\n")
+    before = target.stat()
+    for path in (epochs / ns.seed.hex(), epochs / f"{ns.seed.hex()}.retired"):
+        path.unlink(missing_ok=True)
+        if plant == "fifo":
+            os.mkfifo(path)
+        elif plant == "symlink":
+            path.symlink_to(target)
+        else:
+            path.mkdir()
+    t0 = time.monotonic()
+    done: list[Any] = []
+
+    def open_and_look() -> None:
+        with BlockStore(make_config(tmp_path)) as b:
+            done.append((b.epochs.get(ns.seed), b.lookup(ns, random_tokens("epoch", 48)).num_blocks))
+
+    worker = threading.Thread(target=open_and_look, daemon=True)
+    worker.start()
+    worker.join(NORMAL_S * 4)
+    assert done, f"a store open with a planted {plant} did not finish in {NORMAL_S * 4} s"
+    assert time.monotonic() - t0 < NORMAL_S * 4
+    gen, hit = done[0]
+    if plant != "folder":  # a folder cannot be replaced by a file: that namespace stays private
+        assert gen != old and hit == 0
+    assert target.read_text() == f"{old}\n" and target.stat().st_mtime_ns == before.st_mtime_ns
+
+
+def test_shared_folder_epochs_carry_the_groups_bits(tmp_path):
+    """Scenario: a shared folder of mode 2770 (a group of engine hosts). The epoch files every
+    instance must read and replace are group-readable in a group-writable folder; before, they
+    were 0600 in a 0700 folder, so another uid of the group could not see a reset."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o2770)
+    cfg = make_config(tmp_path, **{"remote.enabled": True, "remote.backend": "fs", "remote.path": str(shared)})
+    ns = make_namespace()
+    with BlockStore(cfg) as s:
+        s.epochs.bump(ns.seed)
+        s.epochs.bump(ns.seed)
+    folder = shared / "epochs"
+    assert stat.S_IMODE(folder.stat().st_mode) & 0o070 == 0o070
+    for name in (ns.seed.hex(), f"{ns.seed.hex()}.retired"):
+        assert stat.S_IMODE((folder / name).stat().st_mode) & 0o040, name

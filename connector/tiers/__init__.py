@@ -27,7 +27,8 @@ def _redis(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[B
 
 def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[BlockTier, EpochStore]:
     assert cfg.path is not None
-    return SharedFsTier(counters, cfg), FileEpochs(cfg.path / "epochs")
+    tier = SharedFsTier(counters, cfg)
+    return tier, FileEpochs(cfg.path / "epochs", tier.modes())  # the group shares the epochs too
 
 
 REMOTE_BACKENDS: dict[str, Callable[[Counters, RemoteConfig, Path | None], tuple[BlockTier, EpochStore]]] = {

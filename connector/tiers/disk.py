@@ -124,7 +124,7 @@ class DiskTier(BlockTier):
         self._tails = self.root / "tails"
         if not make_folder(self.root, 0o700):
             self._check_root_mode()
-        self._dir_mode, self._file_mode = self._modes()
+        self._dir_mode, self._file_mode = self.modes()
         self._bad = self._prepare(self._blocks) | self._prepare(self._tails)
         self._prefix = str(self._blocks) + os.sep
         self._lock = threading.Lock()
@@ -134,7 +134,7 @@ class DiskTier(BlockTier):
         self._full = _FullDisk(self.label, self.root, counters, f"{self.name}_full_drops")
 
     # ------------------------------------------------------------ folders
-    def _modes(self) -> tuple[int, int]:
+    def modes(self) -> tuple[int, int]:
         """Modes of the folders and files this tier creates: private (0700/0600)."""
         return 0o700, 0o600
 

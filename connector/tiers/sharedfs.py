@@ -40,7 +40,7 @@ class SharedFsTier(DiskTier):
         assert cfg.path is not None
         super().__init__(counters, cfg.path, cfg.size)
 
-    def _modes(self) -> tuple[int, int]:
+    def modes(self) -> tuple[int, int]:
         """The root's group bits carried to the folders (rwx) and files (r) created here."""
         group = stat.S_IMODE(os.stat(self.root).st_mode) & 0o070
         return 0o700 | group, 0o600 | (group & 0o040)
