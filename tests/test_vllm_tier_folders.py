@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import xxhash
 
 from kvstrata.blockfmt import HEADER, HEADER_SIZE, MAGIC, FormatError, unpack_header
