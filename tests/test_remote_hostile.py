@@ -20,6 +20,7 @@ import redis
 import torch
 
 import redisutil
+from test_redis_epochs import open_store as epochs_store
 from kvstrata import BlockStore, Namespace
 from kvstrata.blockfmt import HEADER, HEADER_SIZE, pack_header, payload_checksum, unpack_header
 from kvstrata.config import load_config
@@ -35,10 +36,8 @@ EPOCH_KEY = f"kvstrata:epoch:{NS.seed.hex()}"
 
 
 def open_store(tmp: Path, name: str, url: str, **extra: object) -> BlockStore:
-    overrides = {"l1.size": "4MiB", "l1.pin_memory": False, "l2.path": str(tmp / name / "l2"),
-                 "remote.enabled": True, "remote.url": url, "remote.invalidation_ms": 1,
-                 "remote.breaker.failures": 2, **extra}
-    return BlockStore(load_config(None, overrides))
+    """test_redis_epochs' store, with room for 4 MiB of blocks and a breaker that opens after 2 errors."""
+    return epochs_store(tmp, name, url, **{"l1.size": "4MiB", "remote.breaker.failures": 2, **extra})
 
 
 def prompt(seed: int, n: int = 8 * 16) -> np.ndarray:

@@ -151,14 +151,23 @@ def _subfolders(folder: str, pattern: re.Pattern[str], parent_fd: int | None,
             os.close(fd)
 
 
-def _open_top(root: Path | str, name: str) -> tuple[str, int | None, Found | None]:
-    path = os.path.join(root, name)
+def _shards(root: Path | str, name: str) -> Iterator[tuple[str, str, int] | Found]:
+    """Each real shard folder of ``root/name`` as ``(path, shard, fd)`` (the fd is closed when the
+    caller asks for the next one), or a ``skipped`` Found: ``root/name`` itself a symlink or not a
+    folder, or an entry of it that is not a shard folder. Nothing if ``root/name`` is missing."""
+    top_path = os.path.join(root, name)
     try:
-        return path, os.open(path, OPEN_DIR), None
+        top = os.open(top_path, OPEN_DIR)
     except FileNotFoundError:
-        return path, None, None
+        return
     except OSError as e:  # a symlink (ELOOP) or not a folder: never scanned through
-        return path, None, Found(SKIPPED, path, why=f"not a real folder ({e.strerror}): not scanned")
+        yield Found(SKIPPED, top_path, why=f"not a real folder ({e.strerror}): not scanned")
+        return
+    try:
+        for item in _subfolders(top_path, _SHARD_RE, top):
+            yield item if isinstance(item, Found) else (f"{top_path}/{item[0]}", item[0], item[1])
+    finally:
+        os.close(top)
 
 
 def scan_folder(root: Path | str, *, fix: bool, stale_temp: Callable[[int, float], bool],
@@ -170,20 +179,11 @@ def scan_folder(root: Path | str, *, fix: bool, stale_temp: Callable[[int, float
     is parsed and checked against the file's name and size; with ``verify`` its payload checksum
     too. With ``fix``, deletes only regular files with kvstrata's names: ``damaged`` blocks of
     this format version, and ``temp`` files for which ``stale_temp(pid, mtime)`` holds."""
-    blocks, top, problem = _open_top(root, "blocks")
-    if problem is not None:
-        yield problem
-    if top is None:
-        return
-    try:
-        for item in _subfolders(blocks, _SHARD_RE, top):
-            if isinstance(item, Found):
-                yield item
-                continue
-            shard, fd = item
-            yield from _scan_shard(f"{blocks}/{shard}", shard, fd, fix, stale_temp, verify)
-    finally:
-        os.close(top)
+    for item in _shards(root, "blocks"):
+        if isinstance(item, Found):
+            yield item
+        else:
+            yield from _scan_shard(*item, fix, stale_temp, verify)
 
 
 def _scan_shard(folder: str, shard: str, dir_fd: int, fix: bool,
@@ -273,30 +273,22 @@ def scan_tails(root: Path | str, *, fix: bool, is_orphan: Callable[[str, int, st
     ``is_orphan(parent hex, ntok, key hex or None)``) and ``skipped`` entries. With ``fix``,
     orphan markers are deleted, then their parent folder if it is empty. Same rules as
     ``scan_folder``: no symlink followed, only kvstrata's names touched."""
-    tails, top, problem = _open_top(root, "tails")
-    if problem is not None:
-        yield problem
-    if top is None:
-        return
-    try:
-        for item in _subfolders(tails, _SHARD_RE, top):
-            if isinstance(item, Found):
-                yield item
+    for item in _shards(root, "tails"):
+        if isinstance(item, Found):
+            yield item
+            continue
+        folder, shard, shard_fd = item
+        for sub in _subfolders(folder, _PARENT_RE, shard_fd, shard):
+            if isinstance(sub, Found):
+                yield sub
                 continue
-            shard, shard_fd = item
-            for sub in _subfolders(f"{tails}/{shard}", _PARENT_RE, shard_fd, shard):
-                if isinstance(sub, Found):
-                    yield sub
-                    continue
-                parent, fd = sub
-                yield from _scan_markers(f"{tails}/{shard}/{parent}", parent, fd, fix, is_orphan)
-                if fix:
-                    try:
-                        os.rmdir(parent, dir_fd=shard_fd)  # only if empty
-                    except OSError:
-                        pass
-    finally:
-        os.close(top)
+            parent, fd = sub
+            yield from _scan_markers(f"{folder}/{parent}", parent, fd, fix, is_orphan)
+            if fix:
+                try:
+                    os.rmdir(parent, dir_fd=shard_fd)  # only if empty
+                except OSError:
+                    pass
 
 
 def _scan_markers(folder: str, parent: str, dir_fd: int, fix: bool,
