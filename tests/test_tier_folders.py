@@ -303,6 +303,46 @@ def test_damaged_blocks_of_this_format_are_still_fixed(tmp_path):
         assert store.lookup(ns, tokens).num_blocks == 2
 
 
+def test_links_and_fifos_planted_at_names_kvstrata_will_write_are_replaced_never_written_through(tmp_path):
+    """Scenario: before a prompt is ever saved, its block names are taken in the L2 folder: a
+    symlink to a file outside, a symlink to a folder outside, and a FIFO. The save publishes by
+    rename, which replaces the planted entry itself: the outside file and folder are untouched,
+    the FIFO never blocks the write, and the blocks are served from disk with their own bytes."""
+    ns = make_namespace()
+    tokens = random_tokens(7, 4 * BLOCK_SIZE)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"not kvstrata's")
+    (outside / "dir").mkdir()
+    before = _tree(outside)
+    cfg = make_config(tmp_path)
+    with BlockStore(cfg) as store:
+        _, chain = store.chain(ns, tokens)
+    disk = DiskTier(Counters(), Path(cfg.l2.path), 1 << 30)
+    planted = [disk.path(k) for k in chain.keys[:3]]
+    for p in planted:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    planted[0].symlink_to(outside / "precious")
+    planted[1].symlink_to(outside / "dir")
+    os.mkfifo(planted[2])
+
+    def save() -> int:
+        with BlockStore(cfg) as store:
+            n = store_prompt(store, ns, tokens)[1]
+            store.flush()
+            return n
+
+    assert _within(NORMAL_S, "a save over planted names", save, [planted[2]]) == 4
+    assert _tree(outside) == before
+    assert all(p.is_file() and not p.is_symlink() for p in planted)
+    with BlockStore(make_config(tmp_path)) as store:
+        hit = store.lookup(ns, tokens)
+        assert hit.num_blocks == 4
+        n, out = load_hit(store, hit)
+        assert n == 4
+        assert_payloads_match(chain.keys, out, 4)
+
+
 # ------------------------------------------------- finding 7: other hosts' temps, arenas, modes
 def test_shared_folder_sweep_leaves_other_hosts_temp_files_until_they_are_stale(tmp_path):
     """Scenario: on a shared folder, a temp file of a writer whose pid is not alive *here* (it
