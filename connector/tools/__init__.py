@@ -1,0 +1,1 @@
+"""Tools around the core: demo, trace, simulate, replay, estimate, engine processes, benchmarks."""
