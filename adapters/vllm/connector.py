@@ -75,7 +75,7 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, CONNECTOR_NAME)
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvstrata.adapters.vllm", CONNECTOR_NAME)
 
 
 # ---------------------------------------------------------------------------- plan objects
