@@ -26,7 +26,7 @@ from kvstrata.blockfmt import HEADER, HEADER_SIZE, pack_header, payload_checksum
 from kvstrata.config import load_config
 from kvstrata.epochs import parse_generation
 from kvstrata.keys import FORMAT_VERSION
-from kvstrata.saver import Saver
+from kvstrata.store.saver import Saver
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
 

@@ -30,14 +30,14 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from .blockfmt import payload_checksum, payload_checksum_of
-from .config import StrataConfig, check_fits_one_block
-from .epochs import EpochStore, FileEpochs, MemoryEpochs
-from .index import BlockIndex, EntryMeta
-from .keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, chain_keys, root_key
-from .metrics import Counters
+from ..blockfmt import payload_checksum, payload_checksum_of
+from ..config import StrataConfig, check_fits_one_block
+from ..epochs import EpochStore, FileEpochs, MemoryEpochs
+from ..index import BlockIndex, EntryMeta
+from ..keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, chain_keys, root_key
+from ..metrics import Counters
 from .saver import Saver
-from .tiers import REMOTE_BACKENDS, BlockTier, DiskTier, MemoryTier
+from ..tiers import REMOTE_BACKENDS, BlockTier, DiskTier, MemoryTier
 
 log = logging.getLogger(__name__)
 _EVICT_BATCH = 16
