@@ -1,4 +1,18 @@
-"""SGLang HiCache storage backend over the kvstrata store (being split into modules)."""
+"""SGLang HiCache storage backend over the kvstrata store (``StrataStorage``).
 
-from .storage import *  # noqa: F401,F403
-from .storage import StrataStorage, load_strata_config  # noqa: F401
+Loaded with ``--hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+@configs/sglang.yaml`` (``module_path: kvstrata.adapters.sglang``, ``class_name: StrataStorage``).
+
+- ``storage``: the ``HiCacheStorage`` backend: key modes, data paths, metrics.
+- ``pages``: the host pool's pages as byte rows and byte runs (``PageRows``).
+- ``namespace``: the extra config, page keys as bytes, and the namespace pages are keyed on.
+"""
+
+from __future__ import annotations
+
+from .namespace import SGLANG_KEYS, digests_of, load_strata_config, namespace_for
+from .pages import LAYOUTS, PageRows
+from .storage import StrataStorage, StrataStorageMetrics
+
+__all__ = ["StrataStorage", "StrataStorageMetrics", "load_strata_config", "SGLANG_KEYS", "PageRows", "LAYOUTS",
+           "digests_of", "namespace_for"]

@@ -1,9 +1,8 @@
-"""SGLang HiCache storage backend over the kvstrata store (``StrataStorage``).
+"""``StrataStorage``: the SGLang HiCache storage backend (the "L3") over one ``BlockStore``.
 
-SGLang's HiCache keeps KV pages in a host memory pool and backs them up to a storage backend
-(the "L3"). Loaded with ``--hicache-storage-backend dynamic --hicache-storage-backend-extra-config
-@configs/sglang.yaml``; one instance per scheduler process (one per TP/PP rank), each with its own
-``BlockStore`` over the shared L2 folder.
+One instance per scheduler process (one per TP/PP rank), each with its own ``BlockStore`` over the
+shared L2 folder. Owns the backend API SGLang calls (``batch_exists``, ``batch_get_v1``,
+``batch_set_v1``, the legacy flat-page methods, ``clear``, ``get_stats``) and the choice of data path.
 
 Keys. SGLang names a page by a hex SHA-256 chained over the previous page's key and the page's
 token ids. Two key modes, fixed per instance by the extra config:
@@ -34,8 +33,6 @@ epoch, which hides everything stored before, in every process sharing the L2 fol
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,193 +46,18 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from kvstrata.config import ConfigError, StrataConfig, load_engine_config
-from kvstrata.identity import resolve_model_version
 from kvstrata.keys import BlockChain, Namespace, chain_digests, root_key
 from kvstrata.store import BlockStore, Hit
-from kvstrata.tiers.disk import IOV_MAX
+
+from .namespace import digests_of, load_strata_config, namespace_for, server_passes_prefix_keys
+from .pages import PageRows
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
 
 log = logging.getLogger(__name__)
 
-# Keys of the extra config that belong to SGLang (or to its other backends), not to kvstrata.
-# SGLang itself pops prefetch_*, hicache_storage_pass_prefix_keys and tp_lcm_size before we see
-# the dict; they are listed for callers that hand over the file as written.
-SGLANG_KEYS = frozenset({
-    "backend_name", "module_path", "class_name", "interface_v1", "hicache_storage_pass_prefix_keys",
-    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "tp_lcm_size",
-    "file_storage_path", "enable_metadata_cache", "metadata_ttl",
-})
-LAYOUTS = ("layer_first", "page_first")
 
-
-def load_strata_config(extra_config: dict[str, Any] | None) -> StrataConfig:
-    """kvstrata's part of SGLang's extra config (``config_file`` plus dotted or nested keys)."""
-    return load_engine_config(extra_config, SGLANG_KEYS)
-
-
-def digests_of(keys: Sequence[str]) -> list[bytes]:
-    """SGLang page keys as bytes: 32 bytes for the usual hex SHA-256, the UTF-8 text otherwise."""
-    try:
-        return [bytes.fromhex(k) for k in keys]
-    except ValueError:
-        return [k.encode() for k in keys]
-
-
-def server_passes_prefix_keys() -> bool | None:
-    """Whether the running server passes prefix keys to the backend (None outside a server).
-
-    SGLang pops the flag from the extra config before the backend sees it, so read the server's
-    own copy of the option.
-    """
-    try:
-        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
-        from sglang.srt.runtime_context import get_memory
-
-        raw = get_memory().hicache_storage_backend_extra_config
-        return bool(HybridCacheController.parse_storage_backend_extra_config(raw)[4])
-    except Exception:  # not inside a server (tests, benchmarks) or another SGLang version
-        return None
-
-
-# ---------------------------------------------------------------------------- host pool pages
-class PageRows:
-    """Pages of SGLang's host KV pool as ``[n, page_bytes]`` rows, and back.
-
-    A stored page has the bytes of ``host_pool.get_data_page(i, flat=True)``: the pool buffer with
-    the token dimension cut to one page, in the buffer's own dimension order. So the legacy path
-    (flat page tensors) and the zero-copy path store identical bytes for the same layout.
-
-    SGLang hands out host memory in whole pages, so a page is one slice of the token dimension:
-    each page moves with one numpy slice copy (a few contiguous runs per page, e.g. one per layer
-    and K/V in ``layer_first``). That is 5x faster here than one torch ``index_copy_`` over all
-    token indices, which copies row by row and uses torch's intra-op thread pool (which collapses
-    when the engine keeps every core busy). Pages that are not contiguous in the pool fall back
-    to that indexed copy. Rows live in a per-thread staging buffer that is reused, because
-    touching fresh memory costs as much as the copy itself.
-    """
-
-    def __init__(self, pool: "HostKVCache") -> None:
-        if pool.layout not in LAYOUTS:
-            raise ConfigError(f"kvstrata: SGLang host layout {pool.layout!r} is not supported; "
-                              f"use --hicache-mem-layout {' or '.join(LAYOUTS)}")
-        if getattr(pool, "dcp_size", 1) > 1:
-            raise ConfigError("kvstrata: decode context parallelism (dcp_size > 1) is not supported")
-        buf = pool.kv_buffer
-        assert isinstance(buf, torch.Tensor) and buf.device.type == "cpu", "host pool without a CPU kv_buffer"
-        dims = list(buf.shape)
-        if dims.count(pool.size) != 1:
-            raise ConfigError(f"kvstrata: cannot find the token dimension of host KV buffer {dims}")
-        self.buf = buf
-        self.dim = dims.index(pool.size)
-        self.page_size = pool.page_size
-        dims[self.dim] = self.page_size
-        self.page_shape = tuple(dims)
-        self.page_bytes = math.prod(self.page_shape) * buf.element_size()
-        self.signature = f"{type(pool).__name__}:{pool.layout}:{list(self.page_shape)}:{buf.dtype}"
-        self._raw = buf.view(torch.uint8).numpy()  # bytes view: numpy copies are single-threaded
-        self._raw_page = self._raw.shape[: self.dim] + (self.page_size,) + self._raw.shape[self.dim + 1 :]
-        self._lead = (slice(None),) * self.dim
-        self._ramp = torch.arange(self.page_size)
-        self._local = threading.local()
-        # A page as byte runs of the pool buffer (direct disk I/O): one run per index of the
-        # dimensions before the token one (layer_first: K/V x layers; page_first: K/V).
-        token_bytes = math.prod(dims[self.dim + 1 :]) * buf.element_size()
-        self._token_bytes = token_bytes
-        self._run_bytes = self.page_size * token_bytes
-        self._run_offsets = tuple(j * pool.size * token_bytes for j in range(math.prod(dims[: self.dim])))
-        self.pool_bytes = buf.numel() * buf.element_size()
-        # Runs must be addressable in the flat buffer, and header + runs fit one preadv.
-        self.direct = buf.is_contiguous() and len(self._run_offsets) < IOV_MAX
-        self._mem = memoryview(self._raw.reshape(-1)) if self.direct else None
-
-    def staging(self, n: int) -> torch.Tensor:
-        """``[n, page_bytes]`` uint8 rows of this thread's reused buffer (valid until its next call)."""
-        held = getattr(self._local, "rows", None)
-        if held is None or held.shape[0] < n:
-            held = self._local.rows = torch.empty((n, self.page_bytes), dtype=torch.uint8)
-        return held[:n]
-
-    def runs(self, start: int) -> list[memoryview]:
-        """The page starting at token ``start`` as writable byte runs of the pool buffer, in the
-        order of its stored bytes (``get_data_page(start, flat=True)``); needs ``direct``."""
-        assert self._mem is not None, "pool buffer is not contiguous"
-        mem, size, base = self._mem, self._run_bytes, start * self._token_bytes
-        return [mem[base + off : base + off + size] for off in self._run_offsets]
-
-    def copy_slot(self, arena: torch.Tensor, slot: int, start: int) -> None:
-        """Write ``arena[slot]`` to the page starting at token ``start``."""
-        self._raw[self._lead + (slice(start, start + self.page_size),)] = \
-            arena.numpy()[slot, : self.page_bytes].reshape(self._raw_page)
-
-    def page_starts(self, host_indices: torch.Tensor, n: int) -> list[int] | None:
-        """First token of each page, or None when some page is not one contiguous run."""
-        tokens = host_indices[: n * self.page_size].to(torch.long).view(n, self.page_size)
-        if not torch.equal(tokens - tokens[:, :1], self._ramp.expand(n, -1)):
-            return None
-        return tokens[:, 0].tolist()
-
-    def gather(self, host_indices: torch.Tensor, n: int) -> torch.Tensor:
-        """Pages starting at ``host_indices[i * page_size]`` as staging rows."""
-        rows = self.staging(n)
-        starts = self.page_starts(host_indices, n)
-        if starts is None:
-            tokens = host_indices[: n * self.page_size].to(torch.long)
-            pages = self.buf.index_select(self.dim, tokens).unflatten(self.dim, (n, self.page_size))
-            rows.view(self.buf.dtype).view(n, *self.page_shape).copy_(pages.movedim(self.dim, 0))
-            return rows
-        out = rows.numpy().reshape(n, *self._raw_page)
-        for i, start in enumerate(starts):  # per page, not per token: one slice copy each
-            out[i] = self._raw[self._lead + (slice(start, start + self.page_size),)]
-        return rows
-
-    def gather_into(self, arena: torch.Tensor, slots: Sequence[int], pages: Sequence[int],
-                    host_indices: torch.Tensor, n: int) -> None:
-        """Copy page ``pages[i]`` of ``host_indices`` (``n`` pages) into ``arena[slots[i]]``:
-        one copy, no staging rows."""
-        starts = self.page_starts(host_indices, n)
-        dst = arena.numpy()
-        if starts is None:
-            rows = self.gather(host_indices, n)
-            for slot, page in zip(slots, pages):
-                dst[slot, : self.page_bytes] = rows[page].numpy()
-            return
-        for slot, page in zip(slots, pages):
-            start = starts[page]
-            dst[slot, : self.page_bytes].reshape(self._raw_page)[...] = \
-                self._raw[self._lead + (slice(start, start + self.page_size),)]
-
-    def scatter_from(self, arena: torch.Tensor, slots: Sequence[int], host_indices: torch.Tensor) -> None:
-        """Write ``arena[slots[i]]`` to page i of ``host_indices``: one copy, no staging rows."""
-        n = len(slots)
-        if not n:
-            return
-        starts = self.page_starts(host_indices, n)
-        if starts is None:
-            self.scatter(arena[torch.tensor(slots, dtype=torch.long), : self.page_bytes], host_indices)
-            return
-        for slot, start in zip(slots, starts):
-            self.copy_slot(arena, slot, start)
-
-    def scatter(self, rows: torch.Tensor, host_indices: torch.Tensor) -> None:
-        """Write ``rows`` (``[n, page_bytes]`` uint8) to the pages at ``host_indices``."""
-        n = rows.shape[0]
-        if not n:
-            return
-        starts = self.page_starts(host_indices, n)
-        if starts is None:
-            tokens = host_indices[: n * self.page_size].to(torch.long)
-            pages = rows.view(self.buf.dtype).view(n, *self.page_shape).movedim(0, self.dim)
-            self.buf.index_copy_(self.dim, tokens, pages.flatten(self.dim, self.dim + 1))
-            return
-        src = rows.numpy().reshape(n, *self._raw_page)
-        for i, start in enumerate(starts):
-            self._raw[self._lead + (slice(start, start + self.page_size),)] = src[i]
-
-
-# ---------------------------------------------------------------------------- metrics
 @dataclass
 class StrataStorageMetrics(StorageMetrics):
     """SGLang's storage metrics (page counts and GB/s per call since the last report) plus
@@ -261,39 +83,6 @@ class _CallLog:
             m, self._m = self._m, StorageMetrics()
         return StrataStorageMetrics(m.prefetch_pgs, m.backup_pgs, m.prefetch_bandwidth,
                                     m.backup_bandwidth, counters)
-
-
-# ---------------------------------------------------------------------------- the backend
-def _loaded_model(model_name: str) -> tuple[str, str | None]:
-    """The model path (folder or hub id) and revision the server loaded. ``model_name`` is the served
-    name, which may be an alias (``--served-model-name``) or carry a storage format tag."""
-    try:
-        from sglang.srt.runtime_context import get_model
-
-        loaded = get_model()
-        return loaded.model_path, loaded.revision
-    except (ImportError, ValueError, AttributeError):  # not published (in-process use) or older SGLang
-        return model_name, None
-
-
-def namespace_for(config: HiCacheStorageConfig, cfg: StrataConfig, rows: PageRows, chained: bool) -> Namespace:
-    model = config.model_name or ""
-    version = resolve_model_version(cfg.namespace.model_version, *_loaded_model(model))
-    shared = config.is_mla_model  # MLA KV is identical on every TP rank: one copy for all
-    return Namespace(
-        engine="sglang",
-        model=model,
-        model_version=version,
-        kv_dtype=str(rows.buf.dtype),
-        layout=rows.signature,
-        block_size=rows.page_size,
-        rank=0 if shared else config.tp_rank,
-        world_size=1 if shared else config.tp_size,
-        tenant=cfg.namespace.tenant,
-        extra={"pp": f"{config.pp_rank}/{config.pp_size}",
-               "cp": f"{config.attn_cp_rank}/{config.attn_cp_size}",
-               "keys": "chained" if chained else "per_page"},
-    )
 
 
 class StrataStorage(HiCacheStorage):
@@ -333,12 +122,18 @@ class StrataStorage(HiCacheStorage):
                  self.rows.page_bytes, "direct disk I/O" if self.bypass_l1 else "through L1")
 
     # -------------------------------------------------------------- keys
+    def _require_pool(self) -> tuple[PageRows, Namespace]:
+        """The host pool's rows and the namespace, both set by ``register_mem_pool_host``."""
+        if self.rows is None or self.ns is None:
+            raise RuntimeError("kvstrata: register_mem_pool_host() was not called")
+        return self.rows, self.ns
+
     def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> tuple[int, BlockChain]:
         """Current epoch and the kvstrata chain of ``keys`` (this batch only)."""
-        assert self.ns is not None, "register_mem_pool_host() was not called"
-        epoch = self.store.current_epoch(self.ns)
-        root = root_key(self.ns.seed, epoch)
-        ntok = self.ns.block_size
+        ns = self._require_pool()[1]
+        epoch = self.store.current_epoch(ns)
+        root = root_key(ns.seed, epoch)
+        ntok = ns.block_size
         if not self.chained:  # one chain per page, each rooted at the namespace
             parts = [chain_digests(root, [d], ntok) for d in digests_of(keys)]
             return epoch, BlockChain([c.keys[0] for c in parts], [root] * len(parts),
@@ -375,7 +170,7 @@ class StrataStorage(HiCacheStorage):
         host indices of pages reported False without reading them."""
         if not keys:
             return []
-        assert self.rows is not None and self.ns is not None
+        self._require_pool()
         start = time.perf_counter()
         epoch, chain = self._chain(keys, extra_info)
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
@@ -424,7 +219,7 @@ class StrataStorage(HiCacheStorage):
             return []
         if not self.writer:
             return [True] * len(keys)
-        assert self.rows is not None and self.ns is not None
+        self._require_pool()
         start = time.perf_counter()
         epoch, chain = self._chain(keys, extra_info)
         starts = self.rows.page_starts(host_indices, len(keys)) if self.bypass_l1 and self.store.direct_writes else None
@@ -469,7 +264,7 @@ class StrataStorage(HiCacheStorage):
         """Fill ``target_locations[i]`` (flat page tensors) for the leading stored run."""
         if not keys:
             return []
-        assert self.ns is not None
+        self._require_pool()
         epoch, chain = self._chain(keys, None)
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
         try:

@@ -1,44 +1,15 @@
-"""vLLM v1 KV connector over the kvstrata store (``StrataConnector``).
+"""``StrataConnector``: the ``KVConnectorBase_V1`` facade vLLM loads.
 
 vLLM runs one connector instance per role, usually in different processes: the scheduler's in
-EngineCore, one per worker beside the KV cache. The split follows vLLM's own offloading design:
-
-- Scheduler side owns the ``BlockStore`` (index, L1 bookkeeping, disk tier, epochs). Its L1 arena
-  is a file in ``/dev/shm`` so that workers on this host can map it; once every worker reports
-  its mapping, the file is unlinked, so no arena outlives the engine. Lookups answer from the index
-  only; blocks found only on disk are first read into L1: inline when small (``l1.stage_inline_bytes``),
-  else in the background (the scheduler is told "ask again later" meanwhile), so that every promised
-  block is a memory copy away and pinned.
-- Worker side maps the arena and copies whole blocks between the arena and the KV cache with one
-  batched index operation per layer (``kvstrata.blockcopy``). A slot holds one vLLM block for all
-  layers of all tensor-parallel ranks (rank r writes its own region).
-
-Every copy is an op with an id, and every rank reports the ops it has finished, keyed by its rank
-(vLLM hands the scheduler the reports of all ranks of a step merged by ``aggregate``). An op is
-settled only when every rank has reported it:
-
-- Loads: the lookup pins the hit (validated and pinned under one index lock) and reads its L1
-  slots under that pin; the load op keeps the pin until every rank has copied the blocks out, so
-  a slot cannot be reused for another block in between.
-- Saves happen in the step that computes the blocks: the scheduler reserves fresh slots for every
-  block that step completes and is not stored yet (and for the prompt's partial tail in the step
-  that finishes the prompt), each rank copies its shard right after the forward pass, and the
-  blocks are committed to the index when every rank reports its copy done (aborted if any rank
-  failed: a block missing one shard is never served). Nothing waits for a request to finish, so
-  no block is ever held back from the engine.
+EngineCore, one per worker beside the KV cache. This class only dispatches each call to the side
+its role built (``scheduler.SchedulerSide`` or ``worker.WorkerSide``); calling a method of the
+other role is a programming error and raises ``RuntimeError``.
 """
 
 from __future__ import annotations
 
-import atexit
-import logging
-import os
-import threading
-import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -49,12 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstrata.blockcopy import BlockLayout
-from kvstrata.config import ConfigError, StrataConfig, load_engine_config
-from kvstrata.identity import resolve_model_version
-from kvstrata.keys import BlockChain, Namespace, block_key, extra_digest, root_key
-from kvstrata.store import BlockStore, Hit, Reservation
-from kvstrata.tiers.memory import attach_shared_arena, remove_dead_arenas
+from .metadata import StrataMetadata, StrataStats
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,533 +33,36 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
-CONNECTOR_NAME = "StrataConnector"
-SHM_DIR = os.environ.get("KVSTRATA_SHM_DIR", "/dev/shm")
 
-
-def register() -> None:
-    """``vllm.general_plugins`` entry point: makes ``"kv_connector": "StrataConnector"`` work."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvstrata.adapters.vllm", CONNECTOR_NAME)
-
-
-# ---------------------------------------------------------------------------- plan objects
-@dataclass
-class ArenaSpec:
-    path: str
-    num_slots: int
-    slot_bytes: int
-    rank_bytes: int  # one tensor-parallel rank's region of a slot
-
-
-@dataclass
-class CopyOp:
-    op_id: int
-    req_id: str
-    slots: list[int]
-    block_ids: list[int]
-
-
-@dataclass
-class StrataMetadata(KVConnectorMetadata):
-    arena: ArenaSpec
-    loads: list[CopyOp] = field(default_factory=list)
-    saves: list[CopyOp] = field(default_factory=list)
-
-
-@dataclass
-class StrataWorkerMetadata(KVConnectorWorkerMetadata):
-    """What the workers report back to the scheduler after a step, per tensor-parallel rank.
-
-    vLLM merges the reports of all ranks of one step with ``aggregate`` before the scheduler sees
-    them (``KVOutputAggregator``), so every set is keyed by the rank that reported it: an op is
-    settled only when each rank has reported it, because each rank copies its own shard.
-    """
-
-    saved: dict[int, set[int]] = field(default_factory=dict)  # rank -> save ops copied to the arena
-    failed: dict[int, set[int]] = field(default_factory=dict)  # rank -> save ops whose copy failed
-    loaded: dict[int, set[int]] = field(default_factory=dict)  # rank -> load ops done (or failed)
-    attached: set[int] = field(default_factory=set)  # ranks that have just mapped the arena
-
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
-        assert isinstance(other, StrataWorkerMetadata)
-        return StrataWorkerMetadata(_merge(self.saved, other.saved), _merge(self.failed, other.failed),
-                                    _merge(self.loaded, other.loaded), self.attached | other.attached)
-
-
-def _merge(a: dict[int, set[int]], b: dict[int, set[int]]) -> dict[int, set[int]]:
-    return {rank: a.get(rank, set()) | b.get(rank, set()) for rank in a.keys() | b.keys()}
-
-
-class StrataStats(KVConnectorStats):
-    """Counter deltas since the last report, shown in vLLM's own stats logs."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        merged = dict(self.data)
-        for k, v in other.data.items():
-            merged[k] = merged.get(k, 0) + v
-        return StrataStats(data=merged)
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-# ---------------------------------------------------------------------------- configuration
-def _kv_dtype(vllm_config: "VllmConfig") -> str:
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    return str(vllm_config.model_config.dtype if cache_dtype in (None, "auto") else cache_dtype)
-
-
-def _device_layout(vllm_config: "VllmConfig") -> str:
-    """Where K/V packing can differ: device kind and, on CPU, the attention kernel's ISA."""
-    from vllm.platforms import current_platform
-
-    kind = current_platform.device_type
-    if kind == "cpu":
-        amx = torch.cpu._is_amx_tile_supported()
-        avx512 = torch.cpu._is_avx512_supported()
-        return f"cpu:{current_platform.get_cpu_architecture().name}:amx={int(amx)}:avx512={int(avx512)}"
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return f"{kind}:{backend or 'auto'}"
-
-
-def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: StrataConfig) -> Namespace:
-    model = vllm_config.model_config
-    version = resolve_model_version(cfg.namespace.model_version, model.model, model.revision,
-                                    hub_cache=vllm_config.load_config.download_dir)
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
-    layout = (f"{_device_layout(vllm_config)};{layers}x{type(spec).__name__}"
-              f"(heads={getattr(spec, 'num_kv_heads', '?')},head={getattr(spec, 'head_size', '?')},"
-              f"page={spec.page_size_bytes})")
-    par = vllm_config.parallel_config
-    return Namespace(
-        engine="vllm",
-        model=model.model,
-        model_version=version,
-        kv_dtype=_kv_dtype(vllm_config),
-        layout=layout,
-        block_size=vllm_config.cache_config.block_size,
-        rank=0,  # a slot holds every rank's shard: the namespace covers the whole parallel group
-        world_size=par.tensor_parallel_size,
-        tenant=cfg.namespace.tenant,
-        extra={"pp": str(par.pipeline_parallel_size)},
-    )
-
-
-def _remove_dead_arenas() -> None:
-    """Delete arenas of schedulers that died without cleaning up (e.g. a force-killed EngineCore):
-    a file in /dev/shm lives until deleted, and holds its memory until then. An arena counts as
-    dead only once no process holds its creator's lock (``remove_dead_arenas``): a live engine in
-    another PID namespace sharing /dev/shm keeps its arena, whatever its pid looks like here."""
-    for name in remove_dead_arenas(SHM_DIR):
-        log.info("kvstrata: removed the arena of a dead engine: %s", os.path.join(SHM_DIR, name))
-
-
-def _request_extra(request: "Request") -> bytes:
-    """Per-request identity that is not in the tokens: cache salt, LoRA, multimodal inputs."""
-    keys: list[object] = []
-    if getattr(request, "cache_salt", None):
-        keys.append(f"salt:{request.cache_salt}")
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        keys.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")
-    for feature in getattr(request, "mm_features", None) or ():
-        keys.append(f"mm:{getattr(feature, 'identifier', feature)}")
-    return extra_digest(keys)
-
-
-# ---------------------------------------------------------------------------- scheduler side
-@dataclass
-class _Pending:
-    """A live request, from its first lookup to ``request_finished``."""
-
-    request: "Request"
-    tokens: np.ndarray
-    extra: bytes
-    saved_full: int = 0  # full blocks already planned for saving
-    tail_saved: bool = False
-    local: int = 0  # block-aligned tokens the engine already had
-    hit: Hit | None = None  # pinned (hit.lease) from the lookup until its load op takes it over
-    slots: list[int] = field(default_factory=list)  # L1 slots of the hit's blocks, read under the pin
-    staging: bool = False
-    staged: bool = False
-    from_disk: int = 0  # blocks of the hit that had to be staged from a backing tier
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A copy op the workers are running. Settled when every rank has reported it: a save is
-    committed if no rank failed (else aborted), a load gives its pin back."""
-
-    waiting: set[int]  # ranks that have not reported the op yet
-    ok: bool = True
-    reservation: Reservation | None = None  # a save: the slots the ranks are filling
-    hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
-
-
-class _SchedulerSide:
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
-        cfg = load_engine_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        par = vllm_config.parallel_config
-        if par.pipeline_parallel_size > 1:
-            raise ConfigError("kvstrata: pipeline parallelism is not supported yet (pipeline_parallel_size > 1)")
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ConfigError("kvstrata: models with several KV cache groups are not supported yet")
-        self.ns = namespace_for(vllm_config, kv_cache_config, cfg)
-        self.block_size = vllm_config.cache_config.block_size
-        group = kv_cache_config.kv_cache_groups[0]
-        rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        slot_bytes = rank_bytes * par.tensor_parallel_size
-        _remove_dead_arenas()
-        path = os.path.join(SHM_DIR, f"kvstrata-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
-        atexit.register(self.store.l1.close)  # unlink the arena even if vLLM never calls shutdown
-        self.arena = ArenaSpec(path, self.store.l1.num_slots, slot_bytes, rank_bytes)
-        self._ranks = par.tensor_parallel_size
-        self._attached: set[int] = set()  # worker ranks that mapped the arena
-        self._inline_bytes = cfg.l1.stage_inline_bytes
-        self._lock = threading.Lock()  # staging jobs finish on the store's background thread
-        self._reqs: dict[str, _Pending] = {}
-        self._loads: list[CopyOp] = []
-        self._saves: list[CopyOp] = []
-        self._inflight: dict[int, _InFlight] = {}  # op id -> what settles when every rank reports it
-        self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
-        self._next_op = 1
-        self._last_counters: dict[str, int] = {}
-        log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s", self.ns.id,
-                 self.ns.model, self.arena.num_slots, slot_bytes, path)
-
-    # -- lookup
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        st = self._reqs.get(request.request_id)
-        if st is None:
-            if request.prompt_token_ids is None:  # prompt embeddings: no tokens to key on
-                return 0, False
-            st = self._reqs[request.request_id] = _Pending(
-                request, np.asarray(request.prompt_token_ids, dtype=np.uint32), _request_extra(request))
-        with self._lock:
-            if st.staging:
-                return None, False  # disk blocks are being staged into L1: ask again later
-        self._release(st)
-        st.local = num_computed_tokens
-        # Validated and pinned under one index lock: a pinned row keeps its block and its L1 slot
-        # until the pin goes, so the slots read below stay this block's until the load is copied.
-        hit = self.store.lookup(self.ns, st.tokens, st.extra, pin=True)
-        matched, slots = self._resident(st, hit, num_computed_tokens)
-        if not matched:
-            self.store.release(hit)
-            return matched, False
-        st.hit, st.slots = hit, slots
-        return matched, False
-
-    def _resident(self, st: _Pending, hit: Hit, num_computed_tokens: int) -> tuple[int | None, list[int]]:
-        """Tokens of the pinned ``hit`` beyond ``num_computed_tokens`` that are in L1 now (staging
-        what is not; None while a background staging job runs), and the L1 slots of its blocks."""
-        usable = min(hit.num_tokens, len(st.tokens) - 1)  # the last token is always computed
-        if usable <= num_computed_tokens:
-            return 0, []
-        n_blocks = -(-usable // self.block_size)
-        slots = self.store.l1_slots(hit)[:n_blocks]
-        first = num_computed_tokens // self.block_size
-        if any(s is None for s in slots[first:]) and not st.staged:
-            wanted = hit._replace(chain=BlockChain(*(part[:n_blocks] for part in hit.chain)),
-                                  tiers=hit.tiers[:n_blocks], lease=None)
-            if not self._stage(st, wanted, first):
-                return None, []
-            slots = self.store.l1_slots(hit)[:n_blocks]  # staged rows are the pinned ones
-        resident = first
-        while resident < n_blocks and slots[resident] is not None:
-            resident += 1
-        usable = min(usable, resident * self.block_size, sum(hit.chain.lengths[:resident]))
-        if usable <= num_computed_tokens:
-            return 0, []
-        return usable - num_computed_tokens, slots[:resident]  # type: ignore[return-value]
-
-    def _stage(self, st: _Pending, hit: Hit, first: int) -> bool:
-        """Bring the hit's blocks into L1. Returns True when done inline (small hits): the caller
-        can promise them now; False when a background job was started (ask again later)."""
-        missing = sum(1 for s in self.store.l1_slots(hit)[first:] if s is None)
-        if missing * self.arena.slot_bytes <= self._inline_bytes:
-            # Inline: a background thread would fight this busy scheduler loop for the GIL.
-            self.store.stage(hit)
-            st.staged, st.from_disk = True, missing
-            return True
-
-        def job() -> None:
-            self.store.stage(hit)
-            with self._lock:
-                st.staging, st.staged, st.from_disk = False, True, missing
-
-        def failed() -> None:  # the request must not wait forever for a job that raised
-            with self._lock:
-                st.staging, st.staged = False, True
-
-        with self._lock:
-            st.staging = True
-        if not self.store.submit(missing, job, on_fail=failed):
-            with self._lock:
-                st.staging, st.staged = False, True  # queue full: serve what L1 has
-        return False
-
-    def _release(self, st: _Pending) -> None:
-        """Give back the pin of the request's last lookup (not handed to a load op)."""
-        if st.hit is not None:
-            self.store.release(st.hit)
-            st.hit, st.slots = None, []
-
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
-        st = self._reqs.get(request.request_id)
-        if not num_external_tokens or st is None:
-            return {}
-        disk = min(num_external_tokens, st.from_disk * self.block_size)
-        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
-        return {k: v for k, v in out.items() if v}
-
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        st = self._reqs.get(request.request_id)
-        if st is None or st.hit is None:
-            return
-        if num_external_tokens == 0:
-            self._release(st)
-            return
-        block_ids = blocks.get_block_ids()[0]
-        first = st.local // self.block_size
-        last = -(-(st.local + num_external_tokens) // self.block_size)
-        op = CopyOp(self._new_op_id(), request.request_id, st.slots[first:last], list(block_ids[first:last]))
-        self._loads.append(op)
-        # The load op owns the pin now: it goes when every rank has copied the blocks out.
-        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), hit=st.hit)
-        st.hit, st.slots = None, []
-        self.store.counters.inc("vllm_loaded_tokens", num_external_tokens)
-
-    def _new_op_id(self) -> int:
-        self._next_op += 1
-        return self._next_op - 1
-
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            st = self._reqs.get(req_id)
-            if st is not None:
-                self._plan_saves(req_id, st, n)
-        meta = StrataMetadata(self.arena, self._loads, self._saves)
-        self._loads, self._saves = [], []
-        return meta
-
-    # -- saves
-    def _plan_saves(self, req_id: str, st: _Pending, scheduled: int) -> None:
-        """Save the blocks this step completes, copied right after its forward pass.
-
-        Called before the scheduler advances ``num_computed_tokens``. Tokens whose ids are not
-        known yet (speculative drafts) are never saved. The prompt's partial tail is saved in the
-        step that finishes the prompt, so a repeated prompt recomputes only its last token.
-        """
-        req = st.request
-        before = req.num_computed_tokens
-        after = min(before + scheduled, req.num_tokens)
-        bs = self.block_size
-        full = after // bs
-        prompt_len = req.num_prompt_tokens
-        tail = bool(prompt_len % bs) and before < prompt_len <= after and not st.tail_saved
-        if full <= st.saved_full and not tail:
-            return
-        tokens = np.asarray(req.all_token_ids[: max(full * bs, prompt_len if tail else 0)], dtype=np.uint32)
-        epoch, chain = self.store.chain(self.ns, tokens[: full * bs], st.extra, partial=False)
-        where = list(range(st.saved_full, full))  # engine block index of each planned block
-        todo = BlockChain(*(part[st.saved_full : full] for part in chain))
-        if tail:
-            n_prompt_full = prompt_len // bs
-            parent = chain.keys[n_prompt_full - 1] if n_prompt_full else root_key(self.ns.seed, epoch)
-            key, fp = block_key(parent, tokens[n_prompt_full * bs : prompt_len], st.extra)
-            todo = BlockChain(todo.keys + [key], todo.parents + [parent], todo.fps + [fp],
-                              todo.lengths + [prompt_len - n_prompt_full * bs])
-            where.append(n_prompt_full)
-        st.saved_full, st.tail_saved = max(st.saved_full, full), st.tail_saved or tail
-        res = self.store.reserve(self.ns, epoch, todo, self.arena.slot_bytes)
-        if not res.slots:
-            return
-        assert self.kv_cache_manager is not None
-        block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-        position = {key: i for i, key in enumerate(todo.keys)}
-        ids = [block_ids[where[position[m.key]]] for m in res.metas]
-        op = CopyOp(self._new_op_id(), req_id, res.slots, ids)
-        self._saves.append(op)
-        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), reservation=res)
-
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Everything computed was saved in the step that computed it, except the partial block at
-        the end of the output: nothing is left to copy, so blocks are freed at once.
-
-        The pin of a lookup no load op took over (a request aborted or preempted before its
-        blocks were allocated) goes now. Ops already sent to the workers keep theirs until every
-        rank reports them: a worker may still be copying (vLLM can finish a request while the
-        step that carries its load runs), and their reports always come."""
-        st = self._reqs.pop(request.request_id, None)
-        if st is not None:
-            self._release(st)
-        return False, None
-
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
-        meta = getattr(output, "kv_connector_worker_meta", None)
-        if not isinstance(meta, StrataWorkerMetadata):
-            return
-        if meta.attached and len(self._attached) < self._ranks:
-            self._attached |= meta.attached
-            if len(self._attached) >= self._ranks:
-                # Every worker holds a mapping now: drop the name, so the memory goes back to the
-                # system when the processes end, however they end (no leaked /dev/shm file).
-                self.store.l1.close()
-                log.info("kvstrata: all %d workers mapped the L1 arena; unlinked %s", self._ranks, self.arena.path)
-        for reports, ok in ((meta.failed, False), (meta.saved, True), (meta.loaded, True)):
-            for rank, op_ids in reports.items():
-                for op_id in op_ids:
-                    self._report(op_id, rank, ok)
-
-    def _report(self, op_id: int, rank: int, ok: bool) -> None:
-        """Rank ``rank`` finished its part of op ``op_id``; settle the op once every rank has."""
-        op = self._inflight.get(op_id)
-        if op is None:
-            return
-        op.waiting.discard(rank)
-        op.ok = op.ok and ok
-        if op.waiting:
-            return
-        del self._inflight[op_id]
-        if op.hit is not None:
-            self.store.release(op.hit)  # every rank has copied the blocks out of their slots
-        if op.reservation is not None:
-            if op.ok:
-                self.store.commit(op.reservation)  # visible to lookups from now on
-            else:
-                self.store.abort(op.reservation)  # some rank's shard is missing: never served
-
-    # -- control and stats
-    def reset_cache(self) -> bool:
-        generation = self.store.invalidate(self.ns.seed)
-        log.info("kvstrata: prefix cache reset, namespace %s now at generation %016x", self.ns.id, generation)
-        return True
-
-    def get_kv_connector_stats(self) -> StrataStats | None:
-        now = self.store.counters.snapshot()
-        delta = {k: v - self._last_counters.get(k, 0) for k, v in now.items() if v != self._last_counters.get(k, 0)}
-        self._last_counters = now
-        return StrataStats(data=delta) if delta else None
-
-    def shutdown(self) -> None:
-        self.store.close()
-
-
-# ---------------------------------------------------------------------------- worker side
-class _WorkerSide:
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
-        self._num_blocks = kv_cache_config.num_blocks
-        self._layout: BlockLayout | None = None
-        self._arena: torch.Tensor | None = None
-        self._prefault: Any = None  # kvstrata.tiers.memory.Prefaulter of the worker's mapping
-        self._arena_path = ""
-        self._rank = 0
-        self._saved: set[int] = set()
-        self._failed: set[int] = set()
-        self._loaded: set[int] = set()
-        self._load_errors: set[int] = set()
-        self._just_attached = False
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        self._rank = get_tensor_model_parallel_rank()
-        self._caches = kv_caches
-        log.info("kvstrata worker: %d KV layers, first %s %s", len(kv_caches),
-                 next(iter(kv_caches)), tuple(next(iter(kv_caches.values())).shape))
-
-    def _attach(self, spec: ArenaSpec) -> torch.Tensor:
-        if self._arena is None or self._arena_path != spec.path:
-            self._layout = BlockLayout(self._caches, self._num_blocks, base_offset=self._rank * spec.rank_bytes)
-            if self._layout.nbytes != spec.rank_bytes:
-                raise RuntimeError(f"kvstrata: worker blocks are {self._layout.nbytes} bytes per rank, "
-                                   f"the scheduler expects {spec.rank_bytes}")
-            self._arena, self._prefault = attach_shared_arena(spec.path, spec.num_slots, spec.slot_bytes)
-            if self._layout.device.type == "cuda":
-                torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
-            self._arena_path = spec.path
-            self._just_attached = True
-        return self._arena
-
-    def start_load_kv(self, meta: StrataMetadata) -> None:
-        arena = self._attach(meta.arena)  # at the first step, so the scheduler can unlink the file
-        if not meta.loads:
-            return
-        assert self._layout is not None
-        self._prefault.ahead_of((max((max(op.slots) for op in meta.loads if op.slots), default=0) + 1)
-                                * meta.arena.slot_bytes)
-        for op in meta.loads:
-            try:
-                self._layout.load(op.slots, arena, op.block_ids)
-            except Exception:  # an I/O edge: report the blocks so vLLM recomputes them
-                log.exception("kvstrata: load for %s failed; vLLM will recompute it", op.req_id)
-                self._load_errors.update(op.block_ids)
-            # The arena slots are read once load() returns (on CUDA only the upload from the
-            # staging buffer is still queued), so the scheduler may unpin them after this step.
-            self._loaded.add(op.op_id)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._layout is not None:
-            self._layout.wait_layer(layer_name)
-
-    def wait_for_save(self, meta: StrataMetadata) -> None:
-        if not meta.saves:
-            return
-        arena = self._attach(meta.arena)
-        assert self._layout is not None
-        self._prefault.ahead_of((max((max(op.slots) for op in meta.saves if op.slots), default=0) + 1)
-                                * meta.arena.slot_bytes)
-        for op in meta.saves:
-            try:
-                self._layout.save(op.block_ids, arena, op.slots)
-                self._saved.add(op.op_id)
-            except Exception:  # an I/O edge: the blocks are just not stored
-                log.exception("kvstrata: save for %s failed; it will not be stored", op.req_id)
-                self._failed.add(op.op_id)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def build_connector_worker_meta(self) -> StrataWorkerMetadata | None:
-        if not (self._saved or self._failed or self._loaded or self._just_attached):
-            return None
-        rank = self._rank
-        meta = StrataWorkerMetadata({rank: self._saved} if self._saved else {},
-                                    {rank: self._failed} if self._failed else {},
-                                    {rank: self._loaded} if self._loaded else {},
-                                    {rank} if self._just_attached else set())
-        self._saved, self._failed, self._loaded, self._just_attached = set(), set(), set(), False
-        return meta
-
-
-# ---------------------------------------------------------------------------- the connector
 class StrataConnector(KVConnectorBase_V1):
-    """kvstrata as a vLLM v1 KV connector. See the module docstring."""
+    """kvstrata as a vLLM v1 KV connector. See the package docstring."""
 
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self._sched = _SchedulerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = _WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
+        self._sched = SchedulerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save lost to preemption is only a future miss
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._sched is None:
+            raise RuntimeError("kvstrata: a scheduler-side method was called on a worker connector")
+        return self._sched
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("kvstrata: a worker-side method was called on a scheduler connector")
+        return self._worker
+
+    def _metadata(self) -> StrataMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, StrataMetadata):
+            raise TypeError(f"kvstrata: connector metadata of type {type(meta).__name__}, expected StrataMetadata")
+        return meta
 
     # scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -600,28 +71,22 @@ class StrataConnector(KVConnectorBase_V1):
             self._sched.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._sched is not None
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
-        assert self._sched is not None
-        return self._sched.get_external_cache_hit_sources(request, num_external_tokens)
+        return self._scheduler_side().get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        assert self._sched is not None
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        assert self._sched is not None
-        return self._sched.build_connector_meta(scheduler_output)
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        assert self._sched is not None
-        self._sched.update_connector_output(connector_output)
+        self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._sched is not None
-        return self._sched.request_finished(request, block_ids)
+        return self._scheduler_side().request_finished(request, block_ids)
 
     def reset_cache(self) -> bool | None:
         return self._sched.reset_cache() if self._sched is not None else None
@@ -635,14 +100,10 @@ class StrataConnector(KVConnectorBase_V1):
 
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        self._worker_side().register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, StrataMetadata)
-        self._worker.start_load_kv(meta)
+        self._worker_side().start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
@@ -652,10 +113,7 @@ class StrataConnector(KVConnectorBase_V1):
         return None  # saves copy whole blocks after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, StrataMetadata)
-        self._worker.wait_for_save(meta)
+        self._worker_side().wait_for_save(self._metadata())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

@@ -1,0 +1,98 @@
+"""What a vLLM engine's blocks are keyed on, and where its L1 arena lives.
+
+Owns the namespace derivation (model and weights version, KV dtype, device layout, block size,
+parallel group), the per-request identity that is not in the tokens (``request_extra``), and the
+arena's name in ``/dev/shm`` (``KVSTRATA_SHM_DIR``) with the clean-up of arenas whose engine died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstrata.config import StrataConfig
+from kvstrata.identity import resolve_model_version
+from kvstrata.keys import Namespace, extra_digest
+from kvstrata.tiers.memory import remove_dead_arenas
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+SHM_DIR = os.environ.get("KVSTRATA_SHM_DIR", "/dev/shm")
+
+
+def _kv_dtype(vllm_config: "VllmConfig") -> str:
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    return str(vllm_config.model_config.dtype if cache_dtype in (None, "auto") else cache_dtype)
+
+
+def _device_layout(vllm_config: "VllmConfig") -> str:
+    """Where K/V packing can differ: device kind and, on CPU, the attention kernel's ISA."""
+    from vllm.platforms import current_platform
+
+    kind = current_platform.device_type
+    if kind == "cpu":
+        amx = torch.cpu._is_amx_tile_supported()
+        avx512 = torch.cpu._is_avx512_supported()
+        return f"cpu:{current_platform.get_cpu_architecture().name}:amx={int(amx)}:avx512={int(avx512)}"
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return f"{kind}:{backend or 'auto'}"
+
+
+def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: StrataConfig) -> Namespace:
+    model = vllm_config.model_config
+    version = resolve_model_version(cfg.namespace.model_version, model.model, model.revision,
+                                    hub_cache=vllm_config.load_config.download_dir)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    layout = (f"{_device_layout(vllm_config)};{layers}x{type(spec).__name__}"
+              f"(heads={getattr(spec, 'num_kv_heads', '?')},head={getattr(spec, 'head_size', '?')},"
+              f"page={spec.page_size_bytes})")
+    par = vllm_config.parallel_config
+    return Namespace(
+        engine="vllm",
+        model=model.model,
+        model_version=version,
+        kv_dtype=_kv_dtype(vllm_config),
+        layout=layout,
+        block_size=vllm_config.cache_config.block_size,
+        rank=0,  # a slot holds every rank's shard: the namespace covers the whole parallel group
+        world_size=par.tensor_parallel_size,
+        tenant=cfg.namespace.tenant,
+        extra={"pp": str(par.pipeline_parallel_size)},
+    )
+
+
+def request_extra(request: "Request") -> bytes:
+    """Per-request identity that is not in the tokens: cache salt, LoRA, multimodal inputs."""
+    keys: list[object] = []
+    if getattr(request, "cache_salt", None):
+        keys.append(f"salt:{request.cache_salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        keys.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")
+    for feature in getattr(request, "mm_features", None) or ():
+        keys.append(f"mm:{getattr(feature, 'identifier', feature)}")
+    return extra_digest(keys)
+
+
+def new_arena_path() -> str:
+    """A fresh arena name in ``SHM_DIR`` for this scheduler process (after clearing dead ones)."""
+    _remove_dead_arenas()
+    return os.path.join(SHM_DIR, f"kvstrata-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _remove_dead_arenas() -> None:
+    """Delete arenas of schedulers that died without cleaning up (e.g. a force-killed EngineCore):
+    a file in /dev/shm lives until deleted, and holds its memory until then. An arena counts as
+    dead only once no process holds its creator's lock (``remove_dead_arenas``): a live engine in
+    another PID namespace sharing /dev/shm keeps its arena, whatever its pid looks like here."""
+    for name in remove_dead_arenas(SHM_DIR):
+        log.info("kvstrata: removed the arena of a dead engine: %s", os.path.join(SHM_DIR, name))

@@ -1,0 +1,335 @@
+"""The scheduler side of the vLLM connector: lookups, load and save plans, and settling ops.
+
+Owns the ``BlockStore`` (index, L1 bookkeeping, disk tier, epochs). Its L1 arena is a file in
+``/dev/shm`` so that workers on this host can map it; once every worker reports its mapping, the
+file is unlinked, so no arena outlives the engine. Lookups answer from the index only; blocks
+found only on disk are first read into L1: inline when small (``l1.stage_inline_bytes``), else in
+the background (the scheduler is told "ask again later" meanwhile), so that every promised block
+is a memory copy away and pinned.
+
+Every copy is an op with an id, and every rank reports the ops it has finished, keyed by its rank
+(vLLM hands the scheduler the reports of all ranks of a step merged by ``aggregate``). An op is
+settled only when every rank has reported it:
+
+- Loads: the lookup pins the hit (validated and pinned under one index lock) and reads its L1
+  slots under that pin; the load op keeps the pin until every rank has copied the blocks out, so
+  a slot cannot be reused for another block in between.
+- Saves happen in the step that computes the blocks: the scheduler reserves fresh slots for every
+  block that step completes and is not stored yet (and for the prompt's partial tail in the step
+  that finishes the prompt), each rank copies its shard right after the forward pass, and the
+  blocks are committed to the index when every rank reports its copy done (aborted if any rank
+  failed: a block missing one shard is never served). Nothing waits for a request to finish, so
+  no block is ever held back from the engine.
+
+Over 300 lines because lookup, staging, save planning and settling all work on one per-request
+state (``_Pending``) and one table of in-flight ops; split apart, each would reach into the others.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstrata.config import ConfigError, load_engine_config
+from kvstrata.keys import BlockChain, block_key, root_key
+from kvstrata.store import BlockStore, Hit, Reservation
+
+from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
+from .namespace import namespace_for, new_arena_path, request_extra
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """A live request, from its first lookup to ``request_finished``."""
+
+    request: "Request"
+    tokens: np.ndarray
+    extra: bytes
+    saved_full: int = 0  # full blocks already planned for saving
+    tail_saved: bool = False
+    local: int = 0  # block-aligned tokens the engine already had
+    hit: Hit | None = None  # pinned (hit.lease) from the lookup until its load op takes it over
+    slots: list[int] = field(default_factory=list)  # L1 slots of the hit's blocks, read under the pin
+    staging: bool = False
+    staged: bool = False
+    from_disk: int = 0  # blocks of the hit that had to be staged from a backing tier
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A copy op the workers are running. Settled when every rank has reported it: a save is
+    committed if no rank failed (else aborted), a load gives its pin back."""
+
+    waiting: set[int]  # ranks that have not reported the op yet
+    ok: bool = True
+    reservation: Reservation | None = None  # a save: the slots the ranks are filling
+    hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
+
+
+class SchedulerSide:
+    """The scheduler role of ``StrataConnector``, in EngineCore: see the module docstring."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+        cfg = load_engine_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        par = vllm_config.parallel_config
+        if par.pipeline_parallel_size > 1:
+            raise ConfigError("kvstrata: pipeline parallelism is not supported yet (pipeline_parallel_size > 1)")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError("kvstrata: models with several KV cache groups are not supported yet")
+        self.ns = namespace_for(vllm_config, kv_cache_config, cfg)
+        self.block_size = vllm_config.cache_config.block_size
+        group = kv_cache_config.kv_cache_groups[0]
+        rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        slot_bytes = rank_bytes * par.tensor_parallel_size
+        path = new_arena_path()
+        self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
+        atexit.register(self.store.l1.close)  # unlink the arena even if vLLM never calls shutdown
+        self.arena = ArenaSpec(path, self.store.l1.num_slots, slot_bytes, rank_bytes)
+        self._ranks = par.tensor_parallel_size
+        self._attached: set[int] = set()  # worker ranks that mapped the arena
+        self._inline_bytes = cfg.l1.stage_inline_bytes
+        self._lock = threading.Lock()  # staging jobs finish on the store's background thread
+        self._reqs: dict[str, _Pending] = {}
+        self._loads: list[CopyOp] = []
+        self._saves: list[CopyOp] = []
+        self._inflight: dict[int, _InFlight] = {}  # op id -> what settles when every rank reports it
+        self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
+        self._next_op = 1
+        self._last_counters: dict[str, int] = {}
+        log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s", self.ns.id,
+                 self.ns.model, self.arena.num_slots, slot_bytes, path)
+
+    # -- lookup
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            if request.prompt_token_ids is None:  # prompt embeddings: no tokens to key on
+                return 0, False
+            st = self._reqs[request.request_id] = _Pending(
+                request, np.asarray(request.prompt_token_ids, dtype=np.uint32), request_extra(request))
+        with self._lock:
+            if st.staging:
+                return None, False  # disk blocks are being staged into L1: ask again later
+        self._release(st)
+        st.local = num_computed_tokens
+        # Validated and pinned under one index lock: a pinned row keeps its block and its L1 slot
+        # until the pin goes, so the slots read below stay this block's until the load is copied.
+        hit = self.store.lookup(self.ns, st.tokens, st.extra, pin=True)
+        matched, slots = self._resident(st, hit, num_computed_tokens)
+        if not matched:
+            self.store.release(hit)
+            return matched, False
+        st.hit, st.slots = hit, slots
+        return matched, False
+
+    def _resident(self, st: _Pending, hit: Hit, num_computed_tokens: int) -> tuple[int | None, list[int]]:
+        """Tokens of the pinned ``hit`` beyond ``num_computed_tokens`` that are in L1 now (staging
+        what is not; None while a background staging job runs), and the L1 slots of its blocks."""
+        usable = min(hit.num_tokens, len(st.tokens) - 1)  # the last token is always computed
+        if usable <= num_computed_tokens:
+            return 0, []
+        n_blocks = -(-usable // self.block_size)
+        slots = self.store.l1_slots(hit)[:n_blocks]
+        first = num_computed_tokens // self.block_size
+        if any(s is None for s in slots[first:]) and not st.staged:
+            wanted = hit._replace(chain=BlockChain(*(part[:n_blocks] for part in hit.chain)),
+                                  tiers=hit.tiers[:n_blocks], lease=None)
+            if not self._stage(st, wanted, first):
+                return None, []
+            slots = self.store.l1_slots(hit)[:n_blocks]  # staged rows are the pinned ones
+        resident = first
+        while resident < n_blocks and slots[resident] is not None:
+            resident += 1
+        usable = min(usable, resident * self.block_size, sum(hit.chain.lengths[:resident]))
+        if usable <= num_computed_tokens:
+            return 0, []
+        return usable - num_computed_tokens, slots[:resident]  # type: ignore[return-value]
+
+    def _stage(self, st: _Pending, hit: Hit, first: int) -> bool:
+        """Bring the hit's blocks into L1. Returns True when done inline (small hits): the caller
+        can promise them now; False when a background job was started (ask again later)."""
+        missing = sum(1 for s in self.store.l1_slots(hit)[first:] if s is None)
+        if missing * self.arena.slot_bytes <= self._inline_bytes:
+            # Inline: a background thread would fight this busy scheduler loop for the GIL.
+            self.store.stage(hit)
+            st.staged, st.from_disk = True, missing
+            return True
+
+        def job() -> None:
+            self.store.stage(hit)
+            with self._lock:
+                st.staging, st.staged, st.from_disk = False, True, missing
+
+        def failed() -> None:  # the request must not wait forever for a job that raised
+            with self._lock:
+                st.staging, st.staged = False, True
+
+        with self._lock:
+            st.staging = True
+        if not self.store.submit(missing, job, on_fail=failed):
+            with self._lock:
+                st.staging, st.staged = False, True  # queue full: serve what L1 has
+        return False
+
+    def _release(self, st: _Pending) -> None:
+        """Give back the pin of the request's last lookup (not handed to a load op)."""
+        if st.hit is not None:
+            self.store.release(st.hit)
+            st.hit, st.slots = None, []
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        st = self._reqs.get(request.request_id)
+        if not num_external_tokens or st is None:
+            return {}
+        disk = min(num_external_tokens, st.from_disk * self.block_size)
+        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+        return {k: v for k, v in out.items() if v}
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.hit is None:
+            return
+        if num_external_tokens == 0:
+            self._release(st)
+            return
+        block_ids = blocks.get_block_ids()[0]
+        first = st.local // self.block_size
+        last = -(-(st.local + num_external_tokens) // self.block_size)
+        op = CopyOp(self._new_op_id(), request.request_id, st.slots[first:last], list(block_ids[first:last]))
+        self._loads.append(op)
+        # The load op owns the pin now: it goes when every rank has copied the blocks out.
+        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), hit=st.hit)
+        st.hit, st.slots = None, []
+        self.store.counters.inc("vllm_loaded_tokens", num_external_tokens)
+
+    def _new_op_id(self) -> int:
+        self._next_op += 1
+        return self._next_op - 1
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                self._plan_saves(req_id, st, n)
+        meta = StrataMetadata(self.arena, self._loads, self._saves)
+        self._loads, self._saves = [], []
+        return meta
+
+    # -- saves
+    def _plan_saves(self, req_id: str, st: _Pending, scheduled: int) -> None:
+        """Save the blocks this step completes, copied right after its forward pass.
+
+        Called before the scheduler advances ``num_computed_tokens``. Tokens whose ids are not
+        known yet (speculative drafts) are never saved. The prompt's partial tail is saved in the
+        step that finishes the prompt, so a repeated prompt recomputes only its last token.
+        """
+        req = st.request
+        before = req.num_computed_tokens
+        after = min(before + scheduled, req.num_tokens)
+        bs = self.block_size
+        full = after // bs
+        prompt_len = req.num_prompt_tokens
+        tail = bool(prompt_len % bs) and before < prompt_len <= after and not st.tail_saved
+        if full <= st.saved_full and not tail:
+            return
+        tokens = np.asarray(req.all_token_ids[: max(full * bs, prompt_len if tail else 0)], dtype=np.uint32)
+        epoch, chain = self.store.chain(self.ns, tokens[: full * bs], st.extra, partial=False)
+        where = list(range(st.saved_full, full))  # engine block index of each planned block
+        todo = BlockChain(*(part[st.saved_full : full] for part in chain))
+        if tail:
+            n_prompt_full = prompt_len // bs
+            parent = chain.keys[n_prompt_full - 1] if n_prompt_full else root_key(self.ns.seed, epoch)
+            key, fp = block_key(parent, tokens[n_prompt_full * bs : prompt_len], st.extra)
+            todo = BlockChain(todo.keys + [key], todo.parents + [parent], todo.fps + [fp],
+                              todo.lengths + [prompt_len - n_prompt_full * bs])
+            where.append(n_prompt_full)
+        st.saved_full, st.tail_saved = max(st.saved_full, full), st.tail_saved or tail
+        res = self.store.reserve(self.ns, epoch, todo, self.arena.slot_bytes)
+        if not res.slots:
+            return
+        if self.kv_cache_manager is None:
+            raise RuntimeError("kvstrata: bind_kv_cache_manager() was not called before scheduling")
+        block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+        position = {key: i for i, key in enumerate(todo.keys)}
+        ids = [block_ids[where[position[m.key]]] for m in res.metas]
+        op = CopyOp(self._new_op_id(), req_id, res.slots, ids)
+        self._saves.append(op)
+        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), reservation=res)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Everything computed was saved in the step that computed it, except the partial block at
+        the end of the output: nothing is left to copy, so blocks are freed at once.
+
+        The pin of a lookup no load op took over (a request aborted or preempted before its
+        blocks were allocated) goes now. Ops already sent to the workers keep theirs until every
+        rank reports them: a worker may still be copying (vLLM can finish a request while the
+        step that carries its load runs), and their reports always come."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            self._release(st)
+        return False, None
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, StrataWorkerMetadata):
+            return
+        if meta.attached and len(self._attached) < self._ranks:
+            self._attached |= meta.attached
+            if len(self._attached) >= self._ranks:
+                # Every worker holds a mapping now: drop the name, so the memory goes back to the
+                # system when the processes end, however they end (no leaked /dev/shm file).
+                self.store.l1.close()
+                log.info("kvstrata: all %d workers mapped the L1 arena; unlinked %s", self._ranks, self.arena.path)
+        for reports, ok in ((meta.failed, False), (meta.saved, True), (meta.loaded, True)):
+            for rank, op_ids in reports.items():
+                for op_id in op_ids:
+                    self._report(op_id, rank, ok)
+
+    def _report(self, op_id: int, rank: int, ok: bool) -> None:
+        """Rank ``rank`` finished its part of op ``op_id``; settle the op once every rank has."""
+        op = self._inflight.get(op_id)
+        if op is None:
+            return
+        op.waiting.discard(rank)
+        op.ok = op.ok and ok
+        if op.waiting:
+            return
+        del self._inflight[op_id]
+        if op.hit is not None:
+            self.store.release(op.hit)  # every rank has copied the blocks out of their slots
+        if op.reservation is not None:
+            if op.ok:
+                self.store.commit(op.reservation)  # visible to lookups from now on
+            else:
+                self.store.abort(op.reservation)  # some rank's shard is missing: never served
+
+    # -- control and stats
+    def reset_cache(self) -> bool:
+        generation = self.store.invalidate(self.ns.seed)
+        log.info("kvstrata: prefix cache reset, namespace %s now at generation %016x", self.ns.id, generation)
+        return True
+
+    def get_kv_connector_stats(self) -> StrataStats | None:
+        now = self.store.counters.snapshot()
+        delta = {k: v - self._last_counters.get(k, 0) for k, v in now.items() if v != self._last_counters.get(k, 0)}
+        self._last_counters = now
+        return StrataStats(data=delta) if delta else None
+
+    def shutdown(self) -> None:
+        self.store.close()

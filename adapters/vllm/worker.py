@@ -1,0 +1,116 @@
+"""The worker side of the vLLM connector: block copies between the KV cache and the L1 arena.
+
+Maps the scheduler's arena (``attach_shared_arena``) at the first step, so the scheduler can unlink
+its file, and copies whole blocks between the arena and the KV cache with one batched index
+operation per layer (``kvstrata.blockcopy``). A slot holds one vLLM block for all layers of all
+tensor-parallel ranks (rank r writes its own region). After each step it reports the ops it has
+finished, keyed by its rank (``StrataWorkerMetadata``); a failed load is reported both as done
+(so its pin goes) and through ``get_block_ids_with_load_errors`` (so vLLM recomputes the blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstrata.blockcopy import BlockLayout
+from kvstrata.tiers.memory import attach_shared_arena
+
+from .metadata import ArenaSpec, StrataMetadata, StrataWorkerMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """The worker role of ``StrataConnector``, one per tensor-parallel rank: see the module docstring."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+        self._num_blocks = kv_cache_config.num_blocks
+        self._layout: BlockLayout | None = None
+        self._arena: torch.Tensor | None = None
+        self._prefault: Any = None  # kvstrata.tiers.memory.Prefaulter of the worker's mapping
+        self._arena_path = ""
+        self._rank = 0
+        self._saved: set[int] = set()
+        self._failed: set[int] = set()
+        self._loaded: set[int] = set()
+        self._load_errors: set[int] = set()
+        self._just_attached = False
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._rank = get_tensor_model_parallel_rank()
+        self._caches = kv_caches
+        log.info("kvstrata worker: %d KV layers, first %s %s", len(kv_caches),
+                 next(iter(kv_caches)), tuple(next(iter(kv_caches.values())).shape))
+
+    def _attach(self, spec: ArenaSpec) -> torch.Tensor:
+        if self._arena is None or self._arena_path != spec.path:
+            self._layout = BlockLayout(self._caches, self._num_blocks, base_offset=self._rank * spec.rank_bytes)
+            if self._layout.nbytes != spec.rank_bytes:
+                raise RuntimeError(f"kvstrata: worker blocks are {self._layout.nbytes} bytes per rank, "
+                                   f"the scheduler expects {spec.rank_bytes}")
+            self._arena, self._prefault = attach_shared_arena(spec.path, spec.num_slots, spec.slot_bytes)
+            if self._layout.device.type == "cuda":
+                torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
+            self._arena_path = spec.path
+            self._just_attached = True
+        return self._arena
+
+    def start_load_kv(self, meta: StrataMetadata) -> None:
+        arena = self._attach(meta.arena)  # at the first step, so the scheduler can unlink the file
+        if not meta.loads:
+            return
+        assert self._layout is not None
+        self._prefault.ahead_of((max((max(op.slots) for op in meta.loads if op.slots), default=0) + 1)
+                                * meta.arena.slot_bytes)
+        for op in meta.loads:
+            try:
+                self._layout.load(op.slots, arena, op.block_ids)
+            except Exception:  # an I/O edge: report the blocks so vLLM recomputes them
+                log.exception("kvstrata: load for %s failed; vLLM will recompute it", op.req_id)
+                self._load_errors.update(op.block_ids)
+            # The arena slots are read once load() returns (on CUDA only the upload from the
+            # staging buffer is still queued), so the scheduler may unpin them after this step.
+            self._loaded.add(op.op_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._layout is not None:
+            self._layout.wait_layer(layer_name)
+
+    def wait_for_save(self, meta: StrataMetadata) -> None:
+        if not meta.saves:
+            return
+        arena = self._attach(meta.arena)
+        assert self._layout is not None
+        self._prefault.ahead_of((max((max(op.slots) for op in meta.saves if op.slots), default=0) + 1)
+                                * meta.arena.slot_bytes)
+        for op in meta.saves:
+            try:
+                self._layout.save(op.block_ids, arena, op.slots)
+                self._saved.add(op.op_id)
+            except Exception:  # an I/O edge: the blocks are just not stored
+                log.exception("kvstrata: save for %s failed; it will not be stored", op.req_id)
+                self._failed.add(op.op_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> StrataWorkerMetadata | None:
+        if not (self._saved or self._failed or self._loaded or self._just_attached):
+            return None
+        rank = self._rank
+        meta = StrataWorkerMetadata({rank: self._saved} if self._saved else {},
+                                    {rank: self._failed} if self._failed else {},
+                                    {rank: self._loaded} if self._loaded else {},
+                                    {rank} if self._just_attached else set())
+        self._saved, self._failed, self._loaded, self._just_attached = set(), set(), set(), False
+        return meta
