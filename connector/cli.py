@@ -1,21 +1,33 @@
-"""``kvstrata`` command line: config check, stats, integrity check, invalidate, gc, bench, demo.
+"""``kvstrata`` command line: config check, stats, integrity check, invalidate, gc, and the tools.
 
-Each subcommand is one function registered in ``COMMANDS``; ``main`` only parses and dispatches.
+The store's own subcommands are functions here, registered in ``COMMANDS``. Each tool lives in
+``kvstrata.tools`` and is imported only when its subcommand runs: ``TOOLS`` names the modules that
+implement a subcommand whole (their ``add_arguments`` and ``run``), so building the parser for one
+subcommand never imports another's module. ``main`` only parses and dispatches.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from .config import ConfigError, load_config
 from .store import BlockStore
 
 log = logging.getLogger("kvstrata")
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+DESCRIPTION = ("kvstrata: a tiered KV-cache store for vLLM and SGLang. Inspect, check and clean a store; "
+               "benchmark, simulate, estimate and demonstrate it.")
+# Subcommands a tool module implements whole: ``add_arguments(parser)`` and ``run(args) -> exit code``.
+TOOLS = {"bench decode": "kvstrata.tools.bench.decode", "bench serve": "kvstrata.tools.bench.serve",
+         "bench identity": "kvstrata.tools.bench.identity", "estimate": "kvstrata.tools.estimate",
+         "torture": "kvstrata.tools.torture"}
+# Subcommands whose flags a tool module declares (``bench ttft``'s handler is ``bench_ttft`` below).
+ARGUMENTS = {**TOOLS, "bench ttft": "kvstrata.tools.bench.ttft"}
 
 
 def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
@@ -104,7 +116,7 @@ def gc(args: argparse.Namespace) -> int:
 
 @command("bench store")
 def bench_store(args: argparse.Namespace) -> int:
-    from .bench.store import run
+    from .tools.bench.store import run
 
     result = run(quick=args.quick, progress=not args.json)
     print(json.dumps(result))
@@ -113,19 +125,19 @@ def bench_store(args: argparse.Namespace) -> int:
 
 @command("replay")
 def replay(args: argparse.Namespace) -> int:
-    from .replay import run
+    from .tools.replay import run
 
     return run(load_config(args.config), conversations=args.conversations)
 
 
 @command("bench ttft")
 def bench_ttft(args: argparse.Namespace) -> int:
-    from .bench.ttft import BenchError
+    from .tools.bench.ttft import BenchError
 
     if args.engine == "sglang":
-        from .bench.ttft_sglang import print_table, run
+        from .tools.bench.ttft_sglang import print_table, run
     else:
-        from .bench.ttft import print_table, run
+        from .tools.bench.ttft import print_table, run
     try:
         summary = run(args)
     except BenchError as e:
@@ -138,37 +150,9 @@ def bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("bench decode")
-def bench_decode(args: argparse.Namespace) -> int:
-    from .bench.decode import run
-
-    return run(args)
-
-
-@command("bench serve")
-def bench_serve(args: argparse.Namespace) -> int:
-    from .bench.serve import run
-
-    return run(args)
-
-
-@command("bench identity")
-def bench_identity(args: argparse.Namespace) -> int:
-    from .bench.identity import run
-
-    return run(args)
-
-
-@command("estimate")
-def estimate(args: argparse.Namespace) -> int:
-    from .estimate import run
-
-    return run(args)
-
-
 @command("bench remote")
 def bench_remote(args: argparse.Namespace) -> int:
-    from .bench.remote import run
+    from .tools.bench.remote import run
 
     print(json.dumps(run(args.url, quick=args.quick)))
     return 0
@@ -177,8 +161,8 @@ def bench_remote(args: argparse.Namespace) -> int:
 @command("simulate")
 def simulate(args: argparse.Namespace) -> int:
     from .config import parse_size
-    from .simulate import run
-    from .trace import load_trace
+    from .tools.simulate import run
+    from .tools.trace import load_trace
 
     trace = load_trace(args.trace)
     if args.requests:
@@ -189,61 +173,61 @@ def simulate(args: argparse.Namespace) -> int:
 
 @command("demo")
 def demo(args: argparse.Namespace) -> int:
-    from .demo import run
+    from .tools.demo import run
 
     return run(args.model, args.config, args.prompt_tokens)
 
 
-@command("torture")
-def torture(args: argparse.Namespace) -> int:
-    from .torture import run
+def _named(argv: Sequence[str]) -> str:
+    """The subcommand on a command line ("bench ttft", "stats"), read before parsing: the top level
+    has no option that takes a value, so the first words that are not options name it."""
+    words = [a for a in argv if not a.startswith("-")]
+    return " ".join(words[:2] if words[:1] in (["bench"], ["config"]) else words[:1])
 
-    return run(args)
 
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true")
+def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The whole command line; only the subcommand named in ``argv`` gets a tool module's flags."""
+    p = argparse.ArgumentParser(prog="kvstrata", description=DESCRIPTION)
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = p.add_subparsers(dest="cmd", required=True)
+    wanted = _named(argv)
+
+    def add(group: Any, name: str, help: str) -> argparse.ArgumentParser:
+        """``name`` is the whole subcommand ("bench ttft"); its last word is the one in ``group``."""
+        sp = group.add_parser(name.split()[-1], help=help, description=help)
+        if name == wanted and name in ARGUMENTS:
+            importlib.import_module(ARGUMENTS[name]).add_arguments(sp)
+        return sp
 
     def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
         sp.add_argument("--config", help="YAML config (default: $KVSTRATA_CONFIG, else embedded)")
         return sp
 
-    cfg = sub.add_parser("config", help="configuration tools").add_subparsers(dest="sub", required=True)
-    cfg.add_parser("check", help="validate a config file").add_argument("file")
-    with_config(sub.add_parser("stats", help="blocks and bytes per tier, namespace, epoch")).add_argument(
+    cfg = add(sub, "config", "configuration tools").add_subparsers(dest="sub", required=True)
+    add(cfg, "config check", "validate a config file").add_argument("file")
+    with_config(add(sub, "stats", "blocks and bytes per tier, namespace, epoch")).add_argument(
         "--json", action="store_true")
-    chk = with_config(sub.add_parser("check", help="integrity scan of the disk tier"))
+    chk = with_config(add(sub, "check", "integrity scan of the disk tier"))
     chk.add_argument("--fix", action="store_true", help="delete bad blocks and leftovers")
     chk.add_argument("--json", action="store_true")
-    with_config(sub.add_parser("invalidate", help="bump namespace epochs")).add_argument(
+    with_config(add(sub, "invalidate", "bump namespace epochs")).add_argument(
         "--namespace", action="append", help="namespace id (see stats); default: all")
-    with_config(sub.add_parser("gc", help="reclaim old epochs, enforce capacities"))
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="sub", required=True)
-    bs = bench.add_parser("store", help="store micro-benchmark against raw baselines")
+    with_config(add(sub, "gc", "reclaim old epochs, enforce capacities"))
+    bench = add(sub, "bench", "benchmarks").add_subparsers(dest="sub", required=True)
+    bs = add(bench, "bench store", "store micro-benchmark against raw baselines")
     bs.add_argument("--quick", action="store_true", help="finish in under 30 s")
     bs.add_argument("--json", action="store_true", help="only the JSON line")
-    rp = with_config(sub.add_parser("replay", help="chat traffic through the store alone, two processes"))
+    rp = with_config(add(sub, "replay", "chat traffic through the store alone, two processes"))
     rp.add_argument("--conversations", type=int, default=40)
-    bt = bench.add_parser("ttft", help="TTFT cold vs native, L1, L2, peer and LMCache hits on one engine")
-    from .bench.ttft import add_arguments as ttft_arguments
-
-    ttft_arguments(bt)
-    from .bench.decode import add_arguments as decode_arguments
-
-    decode_arguments(bench.add_parser("decode", help="decode throughput with a slow disk tier, beside no connector"))
-    from .bench.serve import add_arguments as serve_arguments
-
-    serve_arguments(bench.add_parser("serve", help="trace replay against real servers, beside the baselines"))
-    from .bench.identity import add_arguments as identity_arguments
-
-    identity_arguments(bench.add_parser("identity", help="model identity cost at start: cold and cached"))
-    br = bench.add_parser("remote", help="the Redis tier beside raw redis-py, invalidation latency")
+    add(bench, "bench ttft", "TTFT cold vs native, L1, L2, peer and LMCache hits on one engine")
+    add(bench, "bench decode", "decode throughput with a slow disk tier, beside no connector")
+    add(bench, "bench serve", "trace replay against real servers, beside the baselines")
+    add(bench, "bench identity", "model identity cost at start: cold and cached")
+    br = add(bench, "bench remote", "the Redis tier beside raw redis-py, invalidation latency")
     br.add_argument("--url", default=None, help="an existing server (default: start a private one)")
     br.add_argument("--quick", action="store_true")
     br.add_argument("--json", action="store_true", help="only the JSON line (the default output)")
-    sm = sub.add_parser("simulate", help="capacity planning: a trace through the real index and LRU")
+    sm = add(sub, "simulate", "capacity planning: a trace through the real index and LRU")
     sm.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
     sm.add_argument("--l1", required=True, help="CPU tier size, e.g. 64GiB")
     sm.add_argument("--l2", required=True, help="disk tier size, e.g. 2TiB (0: none)")
@@ -253,25 +237,24 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--requests", type=int, default=0, help="replay only this many requests")
     sm.add_argument("--start", type=int, default=0)
     sm.add_argument("--json", action="store_true")
-    from .estimate import add_arguments as estimate_arguments
-
-    estimate_arguments(sub.add_parser("estimate", help="predicted TTFT and throughput gains from measured inputs"))
-    dm = sub.add_parser("demo", help="the main job: vLLM with kvstrata, cold vs reloaded after a restart")
+    add(sub, "estimate", "predicted TTFT and throughput gains from measured inputs")
+    dm = add(sub, "demo", "the main job: vLLM with kvstrata, cold vs reloaded after a restart")
     dm.add_argument("--model", required=True, help="model folder (examples/make_tiny_model.py builds one)")
     dm.add_argument("--config", default=None, help="kvstrata YAML (default: the embedded default)")
     dm.add_argument("--prompt-tokens", type=int, default=3000)
-    from .torture import add_arguments as torture_arguments
-
-    torture_arguments(sub.add_parser("torture", help="several processes try to make the store serve wrong or stale KV"))
+    add(sub, "torture", "several processes try to make the store serve wrong or stale KV")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     name = " ".join(x for x in (args.cmd, getattr(args, "sub", None)) if x)
     try:
+        if name in TOOLS:
+            return importlib.import_module(TOOLS[name]).run(args)
         return COMMANDS[name](args)
     except ConfigError as e:
         print(str(e), file=sys.stderr)

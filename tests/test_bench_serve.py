@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.bench import serve
-from kvstrata.bench.serve_engines import Result
-from kvstrata.bench.serve_workload import Scaling, block_tokens, build_turns, select, simulate_reference
-from kvstrata.trace import Request, load_trace
+from kvstrata.tools.bench import serve
+from kvstrata.tools.bench.serve_engines import Result
+from kvstrata.tools.bench.serve_workload import Scaling, block_tokens, build_turns, select, simulate_reference
+from kvstrata.tools.trace import Request, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "connector" / "data" / "conversation_sample.jsonl"
+SAMPLE = ROOT / "connector" / "tools" / "data" / "conversation_sample.jsonl"
 ALLOWED = np.arange(10, 3000)
 
 

@@ -1,6 +1,6 @@
 """The SGLang benchmarks, run as a user would: ``kvstrata bench ttft --engine sglang`` on the tiny
 model (servers from ./.venv-sglang, started by the benchmark itself) and the store comparison of
-SGLang's file backend with StrataStorage (``kvstrata.bench.store_sglang``) in quick mode.
+SGLang's file backend with StrataStorage (``kvstrata.tools.bench.store_sglang``) in quick mode.
 
 Both need the SGLang environment (``scripts/setup_sglang.sh``); the servers run one at a time.
 """
@@ -39,7 +39,7 @@ def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(
 
 @needs_sglang_env
 def test_store_comparison_with_sglang_file_backend_reports_positive_rates():
-    res = subprocess.run([SGLANG_PY, "-m", "kvstrata.bench.store_sglang", "--quick", "--json"],
+    res = subprocess.run([SGLANG_PY, "-m", "kvstrata.tools.bench.store_sglang", "--quick", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

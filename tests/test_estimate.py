@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvstrata.cli import main
-from kvstrata.estimate import EstimateError, Hits, Params, load_json, load_model_shape, predict
+from kvstrata.tools.estimate import EstimateError, Hits, Params, load_json, load_model_shape, predict
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Trimmed copies of real outputs on this kind of machine (field names as the commands print them).
 STORE = {"quick": True, "memcpy_gbps": 7.261, "l1_put_gbps": 8.88, "l1_get_gbps": 7.451, "pwrite_gbps": 1.206,
@@ -121,11 +124,22 @@ def test_model_folder_mla_and_kv_dtype(tmp_path):
     assert load_model_shape(write(tmp_path, "mla.json", mla)).kv_bytes_per_token == 3 * (512 + 64) * 2
 
 
-def test_shipped_small_model_config_if_present():
-    path = Path("/work/models/small/config.json")
-    if not path.exists():
-        pytest.skip("no /work/models/small on this machine")
-    assert load_model_shape(str(path)).kv_bytes_per_token == 12288
+@pytest.fixture(scope="session")
+def small_model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The config.json of examples/make_tiny_model.py's ``small`` preset (Qwen2-0.5B's shape), saved
+    by the preset's own transformers config class; the estimate reads no weights, so none are built."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "examples" / "make_tiny_model.py")
+    assert spec is not None and spec.loader is not None
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    config_cls, _model_cls, _tokenizer_vocab, shape = make.PRESETS["small"]
+    out = tmp_path_factory.mktemp("small")
+    config_cls(**{**make.SHAPE, **shape}).save_pretrained(out)
+    return out / "config.json"
+
+
+def test_small_preset_model_config(small_model_config):
+    assert load_model_shape(str(small_model_config)).kv_bytes_per_token == 12288
 
 
 # -- real input files ----------------------------------------------------------------------------

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from importlib import resources
 
-from kvstrata.simulate import simulate
-from kvstrata.trace import Request, load_trace
+from kvstrata.tools.simulate import simulate
+from kvstrata.tools.trace import Request, load_trace
 
-SAMPLE = load_trace(resources.files("kvstrata") / "data" / "conversation_sample.jsonl")
+SAMPLE = load_trace(resources.files("kvstrata.tools") / "data" / "conversation_sample.jsonl")
 
 
 def reference_unbounded(trace: list[Request]) -> int:

@@ -14,8 +14,8 @@ import torch
 
 from kvstrata.cli import main
 from kvstrata.store import BlockStore
-from kvstrata.torture import (NAMESPACES, PAYLOAD_BYTES, RetiredLog, check_load, expected_keys, payloads_of,
-                              store_config)
+from kvstrata.tools.torture import (NAMESPACES, PAYLOAD_BYTES, RetiredLog, check_load, expected_keys,
+                                    payloads_of, store_config)
 from redisutil import REDIS, standalone
 
 NS = NAMESPACES[0]

@@ -15,6 +15,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from kvstrata.tools.sglang_pool import extra_info, host_pool, storage_config
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIMS = ROOT / "tests" / "engines" / "sglang_shims"
 PAGE = 16
@@ -39,50 +41,25 @@ sglang_cpu_hook.install()
 
 def _host_pool(layout: str, tokens: int = 256) -> Any:
     import torch
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    layers, heads, dim = 3, 2, 8
-    k = tuple(torch.zeros(tokens + PAGE, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
-    v = tuple(torch.zeros(tokens + PAGE, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
-
-    def ptrs(ts: tuple) -> torch.Tensor:
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
-
-    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
-                                           layout=KVBufferLayout.NHD),
-                         page_size=PAGE, head_num=heads, head_dim=dim, v_head_dim=dim,
-                         dtype=torch.bfloat16, device=torch.device("cpu"))
-    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+    pool = host_pool(tokens, layers=3, heads=2, head_dim=8, page=PAGE, layout=layout)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, dtype=torch.float32).to(torch.bfloat16))
-    pool._keepalive = (k, v)
     return pool
 
 
 def make_storage(tmp: Path, layout: str = "layer_first", *, v1: bool = True, mla: bool = False,
                  tp_rank: int = 0, pool: Any = None, **extra: Any) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
     from kvstrata.adapters.sglang import StrataStorage
 
-    config = HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=2 if mla else 1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
-        model_name="tiny-test",
-        extra_config={"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
-                      "class_name": "StrataStorage", "interface_v1": int(v1),
-                      "l1": {"size": "16MiB"}, "l2": {"path": str(tmp / "l2")},
-                      "namespace": {"model_version": "v1"}, **extra})
+    config = storage_config(
+        {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang", "class_name": "StrataStorage",
+         "interface_v1": int(v1), "l1": {"size": "16MiB"}, "l2": {"path": str(tmp / "l2")},
+         "namespace": {"model_version": "v1"}, **extra},
+        model_name="tiny-test", tp_rank=tp_rank, tp_size=2 if mla else 1, mla=mla,
+        page_first=layout == "page_first")
     storage = StrataStorage(config, {})
     storage.register_mem_pool_host(pool if pool is not None else _host_pool(layout))
     return storage
-
-
-def _info(prefix: list[str]) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
-
-    return HiCacheStorageExtraInfo(prefix_keys=prefix or None)
 
 
 def _pages(pool: Any, start: int, n: int) -> Any:
@@ -116,11 +93,11 @@ def test_storage_zero_copy_round_trip_moves_exact_pages(tmp_path, storages, layo
     want = [_page(pool, i * PAGE) for i in range(6)]
     # the stored bytes are those of SGLang's own flat page (the legacy path's format)
     assert torch.equal(s.rows.gather(src, 1)[0], want[0].view(torch.uint8))
-    assert s.batch_set_v1(keys[:2], src[: 2 * PAGE], _info([])) == [True, True]
-    assert s.batch_set_v1(keys[2:], src[2 * PAGE :], _info(keys[:2])) == [True] * 4
-    assert s.batch_exists(keys[:3], _info([])) == 3
-    assert s.batch_exists(keys[3:], _info(keys[:3])) == 3
-    assert s.batch_get_v1(keys[2:], dst[: 4 * PAGE], _info(keys[:2])) == [True] * 4
+    assert s.batch_set_v1(keys[:2], src[: 2 * PAGE], extra_info([])) == [True, True]
+    assert s.batch_set_v1(keys[2:], src[2 * PAGE :], extra_info(keys[:2])) == [True] * 4
+    assert s.batch_exists(keys[:3], extra_info([])) == 3
+    assert s.batch_exists(keys[3:], extra_info(keys[:3])) == 3
+    assert s.batch_get_v1(keys[2:], dst[: 4 * PAGE], extra_info(keys[:2])) == [True] * 4
     for i in range(4):
         assert torch.equal(_page(pool, 128 + i * PAGE), want[2 + i])
 
@@ -137,8 +114,8 @@ def test_storage_pages_whose_tokens_are_scattered_in_the_pool_round_trip(tmp_pat
     keys = sglang_keys(10, 3)
     src = torch.randperm(96, generator=torch.Generator().manual_seed(0))[: 3 * PAGE]
     dst = 128 + torch.randperm(96, generator=torch.Generator().manual_seed(1))[: 3 * PAGE]
-    assert s.batch_set_v1(keys, src, _info([])) == [True] * 3
-    assert s.batch_get_v1(keys, dst, _info([])) == [True] * 3
+    assert s.batch_set_v1(keys, src, extra_info([])) == [True] * 3
+    assert s.batch_get_v1(keys, dst, extra_info([])) == [True] * 3
     assert torch.equal(buf.index_select(dim, dst), buf.index_select(dim, src))
 
 
@@ -146,10 +123,10 @@ def test_storage_pages_under_another_prefix_are_not_hits(tmp_path, storages):
     s = make_storage(tmp_path)
     storages.append(s)
     keys = sglang_keys(2, 4)
-    assert all(s.batch_set_v1(keys[2:], _pages(s.mem_pool_host, 0, 2), _info(keys[:2])))
-    assert s.batch_exists(keys[2:], _info(keys[:2])) == 2
-    assert s.batch_exists(keys[2:], _info(sglang_keys(3, 2))) == 0  # same page keys, other parent
-    assert s.batch_exists(keys[2:], _info([])) == 0
+    assert all(s.batch_set_v1(keys[2:], _pages(s.mem_pool_host, 0, 2), extra_info(keys[:2])))
+    assert s.batch_exists(keys[2:], extra_info(keys[:2])) == 2
+    assert s.batch_exists(keys[2:], extra_info(sglang_keys(3, 2))) == 0  # same page keys, other parent
+    assert s.batch_exists(keys[2:], extra_info([])) == 0
 
 
 def test_storage_corrupt_page_on_disk_fails_with_every_later_page(tmp_path, storages):
@@ -158,7 +135,7 @@ def test_storage_corrupt_page_on_disk_fails_with_every_later_page(tmp_path, stor
     writer = make_storage(tmp_path)
     storages.append(writer)
     keys = sglang_keys(4, 5)
-    assert all(writer.batch_set_v1(keys, _pages(writer.mem_pool_host, 0, 5), _info([])))
+    assert all(writer.batch_set_v1(keys, _pages(writer.mem_pool_host, 0, 5), extra_info([])))
     writer.close()
     storages.remove(writer)
     files = sorted((tmp_path / "l2" / "blocks").glob("*/*.kvb"))
@@ -171,7 +148,7 @@ def test_storage_corrupt_page_on_disk_fails_with_every_later_page(tmp_path, stor
     data = bytearray(victim.read_bytes())
     data[-7] ^= 0xFF
     victim.write_bytes(bytes(data))
-    ok = reader.batch_get_v1(keys, target, _info([]))
+    ok = reader.batch_get_v1(keys, target, extra_info([]))
     n = ok.count(True)
     assert ok == [True] * n + [False] * (5 - n) and n < 5
     assert reader.store.counters.get("checksum_failures") == 1
@@ -184,10 +161,10 @@ def test_storage_clear_hides_pages_from_every_process(tmp_path, storages):
     a, b = make_storage(tmp_path), make_storage(tmp_path)
     storages += [a, b]
     keys = sglang_keys(5, 3)
-    assert all(a.batch_set_v1(keys, _pages(a.mem_pool_host, 0, 3), _info([])))
-    assert b.batch_exists(keys, _info([])) == 3
+    assert all(a.batch_set_v1(keys, _pages(a.mem_pool_host, 0, 3), extra_info([])))
+    assert b.batch_exists(keys, extra_info([])) == 3
     assert a.clear() is True
-    assert a.batch_exists(keys, _info([])) == 0 and b.batch_exists(keys, _info([])) == 0
+    assert a.batch_exists(keys, extra_info([])) == 0 and b.batch_exists(keys, extra_info([])) == 0
 
 
 def test_storage_legacy_flat_pages_round_trip(tmp_path, storages):
@@ -213,10 +190,10 @@ def test_storage_mla_pages_are_written_once_and_read_by_every_rank(tmp_path, sto
     storages += [writer, other]
     keys = sglang_keys(8, 2)
     assert writer.ns == other.ns
-    assert other.batch_set_v1(keys, _pages(pool, 0, 2), _info([])) == [True, True]
-    assert other.batch_exists(keys, _info([])) == 0  # the non-writer stored nothing
-    assert writer.batch_set_v1(keys, _pages(pool, 0, 2), _info([])) == [True, True]
-    assert other.batch_exists(keys, _info([])) == 2
+    assert other.batch_set_v1(keys, _pages(pool, 0, 2), extra_info([])) == [True, True]
+    assert other.batch_exists(keys, extra_info([])) == 0  # the non-writer stored nothing
+    assert writer.batch_set_v1(keys, _pages(pool, 0, 2), extra_info([])) == [True, True]
+    assert other.batch_exists(keys, extra_info([])) == 2
 
 
 def test_storage_shipped_config_selects_zero_copy_with_prefix_keys_and_validates(tmp_path):
@@ -245,8 +222,8 @@ def test_storage_stats_are_sglang_metrics_with_kvstrata_counters(tmp_path, stora
     s = make_storage(tmp_path)
     storages.append(s)
     keys = sglang_keys(9, 2)
-    s.batch_set_v1(keys, _pages(s.mem_pool_host, 0, 2), _info([]))
-    s.batch_get_v1(keys, _pages(s.mem_pool_host, 64, 2), _info([]))
+    s.batch_set_v1(keys, _pages(s.mem_pool_host, 0, 2), extra_info([]))
+    s.batch_get_v1(keys, _pages(s.mem_pool_host, 64, 2), extra_info([]))
     stats = s.get_stats()
     assert isinstance(stats, StorageMetrics)
     assert stats.backup_pgs == [2] and stats.prefetch_pgs == [2]
@@ -261,7 +238,7 @@ SMALL_L1 = {"size": "32KiB"}  # below the 96 KiB test pool: pages bypass L1 (``b
 
 
 def _files_by_page(s: Any, keys: list[str], prefix: list[str]) -> list[Path]:
-    _epoch, chain = s._chain(keys, _info(prefix))
+    _epoch, chain = s._chain(keys, extra_info(prefix))
     return [s.store.l2.path(k) for k in chain.keys]
 
 
@@ -286,14 +263,14 @@ def test_storage_direct_path_round_trips_exact_pages_without_touching_l1(tmp_pat
     src, dst = _pages(pool, 0, 6), _pages(pool, 128, 6)
     want = [_page(pool, i * PAGE) for i in range(6)]
     s.bypass_l1 = False  # the first two pages through L1, so they are resident there
-    assert s.batch_set_v1(keys[:2], src[: 2 * PAGE], _info([])) == [True, True]
+    assert s.batch_set_v1(keys[:2], src[: 2 * PAGE], extra_info([])) == [True, True]
     s.bypass_l1 = True
-    assert s.batch_set_v1(keys[2:], src[2 * PAGE :], _info(keys[:2])) == [True] * 4
-    assert s.store.l1_slots(s.store.lookup_chain(s.ns, *s._chain(keys[2:], _info(keys[:2])))) == [None] * 4
+    assert s.batch_set_v1(keys[2:], src[2 * PAGE :], extra_info(keys[:2])) == [True] * 4
+    assert s.store.arena.slots(s.store.lookup_chain(s.ns, *s._chain(keys[2:], extra_info(keys[:2])))) == [None] * 4
     assert all(f.stat().st_size == 128 + page_bytes for f in _files_by_page(s, keys, []))
     assert _counter(s, "saved_blocks") == 6 and _counter(s, "l2_bytes_written") == 6 * page_bytes
-    assert s.batch_exists(keys, _info([])) == 6
-    assert s.batch_get_v1(keys, dst, _info([])) == [True] * 6
+    assert s.batch_exists(keys, extra_info([])) == 6
+    assert s.batch_get_v1(keys, dst, extra_info([])) == [True] * 6
     for i in range(6):
         assert torch.equal(_page(pool, 128 + i * PAGE), want[i])
     assert _counter(s, "hit_blocks_l1") == 2 and _counter(s, "hit_blocks_l2") == 4
@@ -319,8 +296,8 @@ def test_storage_direct_and_l1_paths_write_identical_files_each_reads_the_others
     keys = sglang_keys(21, 4)
     src = _pages(pool, 0, 4)
     want = [_page(pool, i * PAGE) for i in range(4)]
-    assert all(direct.batch_set_v1(keys, src, _info([])))
-    assert all(staged.batch_set_v1(keys, src, _info([])))
+    assert all(direct.batch_set_v1(keys, src, extra_info([])))
+    assert all(staged.batch_set_v1(keys, src, extra_info([])))
     a_files, b_files = _files_by_page(direct, keys, []), _files_by_page(staged, keys, [])
     assert [f.read_bytes() for f in a_files] == [f.read_bytes() for f in b_files]
     for folder, bypass in ((tmp_path / "a", False), (tmp_path / "b", True)):  # each reads the other's
@@ -328,7 +305,7 @@ def test_storage_direct_and_l1_paths_write_identical_files_each_reads_the_others
         storages.append(reader)
         reader.bypass_l1 = bypass
         pool.kv_buffer.narrow(reader.rows.dim, 128, 4 * PAGE).zero_()
-        assert reader.batch_get_v1(keys, _pages(pool, 128, 4), _info([])) == [True] * 4
+        assert reader.batch_get_v1(keys, _pages(pool, 128, 4), extra_info([])) == [True] * 4
         assert all(torch.equal(_page(pool, 128 + i * PAGE), want[i]) for i in range(4))
         assert _counter(reader, "hit_blocks_l2") == 4
 
@@ -342,7 +319,7 @@ def test_storage_direct_read_of_corrupt_file_fails_that_page_and_every_later_one
     writer = make_storage(tmp_path, layout, l1=SMALL_L1)
     storages.append(writer)
     keys = sglang_keys(22, 5)
-    assert all(writer.batch_set_v1(keys, _pages(writer.mem_pool_host, 0, 5), _info([])))
+    assert all(writer.batch_set_v1(keys, _pages(writer.mem_pool_host, 0, 5), extra_info([])))
     victim = _files_by_page(writer, keys, [])[2]
     data = bytearray(victim.read_bytes())
     data[-7] ^= 0xFF
@@ -352,10 +329,10 @@ def test_storage_direct_read_of_corrupt_file_fails_that_page_and_every_later_one
     assert reader.bypass_l1
     target = torch.arange(128, 128 + 5 * PAGE)
     before = reader.mem_pool_host.kv_buffer.clone()
-    assert reader.batch_get_v1(keys, target, _info([])) == [True, True, False, False, False]
+    assert reader.batch_get_v1(keys, target, extra_info([])) == [True, True, False, False, False]
     assert _counter(reader, "checksum_failures") == 1 and _counter(reader, "hit_blocks_l2") == 2
     assert _counter(reader, "load_failed_blocks") == 3
-    assert not victim.exists() and reader.batch_exists(keys, _info([])) == 2
+    assert not victim.exists() and reader.batch_exists(keys, extra_info([])) == 2
     dim = reader.rows.dim
     later = target[3 * PAGE :].long()  # pages after the failed one were never touched
     assert torch.equal(before.index_select(dim, later), reader.mem_pool_host.kv_buffer.index_select(dim, later))
@@ -371,8 +348,8 @@ def test_storage_direct_writes_shared_with_save_threads_store_every_page_once(tm
     pool = s.mem_pool_host
     keys = sglang_keys(23, 8)
     want = [_page(pool, i * PAGE) for i in range(8)]
-    assert s.batch_set_v1(keys, _pages(pool, 0, 8), _info([])) == [True] * 8
+    assert s.batch_set_v1(keys, _pages(pool, 0, 8), extra_info([])) == [True] * 8
     assert _counter(s, "saved_blocks") == 8 and _counter(s, "l2_bytes_written") == 8 * s.rows.page_bytes
     assert len(list((tmp_path / "l2" / "blocks").glob("*/*"))) == 8  # no temp file left behind
-    assert s.batch_get_v1(keys, _pages(pool, 128, 8), _info([])) == [True] * 8
+    assert s.batch_get_v1(keys, _pages(pool, 128, 8), extra_info([])) == [True] * 8
     assert all(torch.equal(_page(pool, 128 + i * PAGE), want[i]) for i in range(8))

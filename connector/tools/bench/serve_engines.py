@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
-from ..serving import Server, cached_by_source, free_port, vllm_command
+from ..serving import Server, cached_by_source, free_port, stream, vllm_command
 from . import ttft
 
 CONFIGS = ("baseline", "strata-l1l2", "strata-remote", "peer", "lmcache")
@@ -70,32 +70,25 @@ class Endpoint:
             path = "/generate"
             body = {"input_ids": prompt, "stream": True,
                     "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
         start = time.perf_counter()
         ttft, out, cached = None, 0, {}
-        with urllib.request.urlopen(req, timeout=self.timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if self.engine == "vllm":
-                    got = any(c.get("text") or c.get("token_ids") for c in chunk.get("choices", []))
-                    usage = chunk.get("usage") or {}
-                    if usage:
-                        out = usage.get("completion_tokens", out)
-                        details = usage.get("prompt_tokens_details") or {}
-                        cached = {"total": int(details.get("cached_tokens") or 0)}
-                else:
-                    meta = chunk.get("meta_info") or {}
-                    got = bool(chunk.get("output_ids")) or meta.get("completion_tokens", 0) > 0
-                    out = meta.get("completion_tokens", out)
-                    details = meta.get("cached_tokens_details") or {}
-                    cached = {k: int(v) for k, v in details.items() if isinstance(v, (int, float))}
-                    cached["total"] = int(meta.get("cached_tokens") or 0)
-                if got and ttft is None:
-                    ttft = (time.perf_counter() - start) * 1000
+        for chunk in stream(self.url + path, body, self.timeout):
+            if self.engine == "vllm":
+                got = any(c.get("text") or c.get("token_ids") for c in chunk.get("choices", []))
+                usage = chunk.get("usage") or {}
+                if usage:
+                    out = usage.get("completion_tokens", out)
+                    details = usage.get("prompt_tokens_details") or {}
+                    cached = {"total": int(details.get("cached_tokens") or 0)}
+            else:
+                meta = chunk.get("meta_info") or {}
+                got = bool(chunk.get("output_ids")) or meta.get("completion_tokens", 0) > 0
+                out = meta.get("completion_tokens", out)
+                details = meta.get("cached_tokens_details") or {}
+                cached = {k: int(v) for k, v in details.items() if isinstance(v, (int, float))}
+                cached["total"] = int(meta.get("cached_tokens") or 0)
+            if got and ttft is None:
+                ttft = (time.perf_counter() - start) * 1000
         e2e = (time.perf_counter() - start) * 1000
         if ttft is None:
             raise RuntimeError("no output token streamed")
@@ -184,7 +177,7 @@ LMCACHE_CHUNK = 256  # LMCache's default chunk; see README of the bench for why 
 
 
 def _bytes(size: str) -> int:
-    from ..config import parse_size
+    from kvstrata.config import parse_size
 
     return parse_size(size)
 

@@ -64,8 +64,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .config import StrataConfig
-from .keys import Namespace, as_tokens, block_key, chain_keys, root_key
+from kvstrata.config import StrataConfig
+from kvstrata.keys import Namespace, as_tokens, block_key, chain_keys, root_key
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ class Worker:
     """The threads of one worker process and the state they share (store, oracle, counts)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        from .store import BlockStore
+        from kvstrata.store import BlockStore
 
         self.spec = spec
         self.run_dir = Path(spec["run"])
@@ -597,15 +597,15 @@ def worker_main(spec: dict[str, Any]) -> None:
 class Fleet:
     """The parent's worker processes: started, SIGKILLed and replaced, and always reaped by
     ``close`` (SIGTERM, then SIGKILL). Workers are forked by a forkserver that has imported the
-    store once, so a restart costs milliseconds instead of a torch import (5-8 s on 2 busy
-    cores). Workers also stop by themselves at the deadline or when the parent is gone."""
+    store once, so a restart costs milliseconds instead of a torch import. Workers also stop by
+    themselves at the deadline or when the parent is gone."""
 
     def __init__(self, base: dict[str, Any]) -> None:
         import multiprocessing as mp
 
         self.base = base
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["kvstrata.torture", "kvstrata.store"])
+        self.ctx.set_forkserver_preload(["kvstrata.tools.torture", "kvstrata.store"])
         self.procs: dict[int, Any] = {}
         self.next_wid = 0
         self.started = self.killed = self.crashed = 0

@@ -18,7 +18,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from .config import load_config
+from kvstrata.config import load_config
+
 from .serving import (Completion, Server, cached_by_source, complete, free_port, strata_transfer_config,
                       vllm_command)
 

@@ -2,8 +2,8 @@
 
 Every configuration runs the same deterministic prompt (token ids drawn with a fixed seed from the
 model's vocabulary, special tokens left out) in its own engine subprocess
-(``kvstrata.bench.ttft_worker``), one engine at a time, all with the same environment. TTFT is the
-wall time of a greedy ``max_tokens=1`` request; each figure is the median of ``--rounds`` (5).
+(``kvstrata.tools.bench.ttft_worker``), one engine at a time, all with the same environment. TTFT is
+the wall time of a greedy ``max_tokens=1`` request; each figure is the median of ``--rounds`` (5).
 Every engine first serves one warm-up request on another prompt of the same length (no shared
 prefix), so no figure includes first-request overheads.
 
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("kvstrata.bench.ttft")
+log = logging.getLogger(__name__)
 
 CONFIGS = ("cold", "native", "l1", "l2", "peer", "lmcache")
 RATIOS = (("cold", "l1"), ("l1", "native"), ("l2", "l1"), ("l1", "peer"), ("l1", "lmcache"))
@@ -148,7 +148,7 @@ class Runner:
         spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
         log.info("engine %s: %d steps", name, len(steps))
         with open(log_path, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kvstrata.bench.ttft_worker", str(spec_path)],
+            proc = subprocess.Popen([sys.executable, "-m", "kvstrata.tools.bench.ttft_worker", str(spec_path)],
                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**self.env, **(extra_env or {})}, start_new_session=True)
             try:

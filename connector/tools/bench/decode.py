@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..serving import Completion, Server, complete, free_port, strata_transfer_config, vllm_command
 
-log = logging.getLogger("kvstrata.bench.decode")
+log = logging.getLogger(__name__)
 CONFIGS = ("off", "strata")
 
 

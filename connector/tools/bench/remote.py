@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..blockfmt import payload_checksum
-from ..config import load_config
-from ..index import EntryMeta
-from ..keys import Namespace
-from ..store import BlockStore
+from kvstrata.blockfmt import payload_checksum
+from kvstrata.config import load_config
+from kvstrata.index import EntryMeta
+from kvstrata.keys import Namespace
+from kvstrata.store import BlockStore
 
 NS = Namespace("bench", "bench-model", "v1", "bfloat16", "bench", 16)
 

@@ -17,9 +17,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .config import StrataConfig
-from .keys import BlockChain, Namespace
-from .store import BlockStore
+from kvstrata.config import StrataConfig
+from kvstrata.keys import BlockChain, Namespace
+from kvstrata.store import BlockStore
+
 from .trace import load_trace, prompt_tokens, sample_sessions
 
 BLOCK_TOKENS = 64
@@ -49,7 +50,7 @@ def prefill(keys: list[bytes]) -> torch.Tensor:
 
 
 def replay(cfg: StrataConfig, conversations: int) -> Report:
-    trace = load_trace(resources.files("kvstrata") / "data" / "conversation_sample.jsonl")
+    trace = load_trace(resources.files("kvstrata.tools") / "data" / "conversation_sample.jsonl")
     requests = sample_sessions(trace, conversations)
     totals = dict(prompt=0, l1=0, l2=0, recomputed=0, mismatches=0)
     load_s = prefill_s = 0.0

@@ -83,7 +83,7 @@ def build_turns(reqs: list[Request], scaling: Scaling, allowed: np.ndarray) -> l
 
 def simulate_reference(turns: list[Turn], block_tokens: int) -> float:
     """Fraction of prompt tokens an unbounded cache serves on these turns (full blocks only),
-    through the real index code (``kvstrata.simulate``)."""
+    through the real index code (``kvstrata.tools.simulate``)."""
     reqs = [Request(0, len(t.prompt), 1, t.hash_ids) for t in turns]
     report = simulate(reqs, {"l1": sum(len(t.hash_ids) for t in turns) + 1})
     served = sum(t.served for t in report.tiers)

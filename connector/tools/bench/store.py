@@ -27,10 +27,10 @@ import numpy as np
 import torch
 import xxhash
 
-from ..config import load_config
-from ..index import BlockIndex, EntryMeta
-from ..keys import Namespace
-from ..store import BlockStore
+from kvstrata.config import load_config
+from kvstrata.index import BlockIndex, EntryMeta
+from kvstrata.keys import Namespace
+from kvstrata.store import BlockStore
 
 GB = 1e9
 

@@ -28,7 +28,7 @@ write their files on the calling thread and the save thread together (``saves.th
 default; file writes release the GIL), where ``HiCacheFile`` writes on the calling thread only;
 ``strata_set_writer_threads`` says how many.
 
-``python -m kvstrata.bench.store_sglang [--quick] --json`` runs it where sglang is importable;
+``python -m kvstrata.tools.bench.store_sglang [--quick] --json`` runs it where sglang is importable;
 ``sglang_fields`` (called by ``kvstrata bench store``) runs that in ./.venv-sglang when this
 interpreter has no sglang.
 """
@@ -48,10 +48,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..sglang_pool import extra_info, host_pool, storage_config
+
 GB = 1e9
 LAYERS, HEADS, HEAD_DIM, PAGE = 24, 2, 64, 64  # Qwen2-0.5B's KV shape, SGLang page of 64 tokens
 BATCH = 32  # pages per backend call (SGLang's limit is 128 = STORAGE_BATCH_SIZE)
 SIDES = ("file", "strata", "strata_default")
+MODEL = "bench-qwen2-0.5b"  # the model name SGLang passes the backends
 
 
 def page_keys(seed: int, n: int) -> list[str]:
@@ -78,36 +81,11 @@ def _install_cpu_shims() -> None:
     sglang_cpu_hook.install()
 
 
-def host_pool(pages: int) -> Any:
+def _pool(pages: int) -> Any:
     """A real layer-first host pool of ``pages`` pages (device buffers of half that, ratio 2)."""
-    import torch
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-    tokens = pages * PAGE // 2
-    k = tuple(torch.zeros(tokens + PAGE, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-    v = tuple(torch.zeros(tokens + PAGE, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-
-    def ptrs(ts: tuple) -> torch.Tensor:
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
-
-    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
-                                           layout=KVBufferLayout.NHD),
-                         page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
-                         dtype=torch.bfloat16, device=torch.device("cpu"))
-    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, "layer_first", pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=LAYERS)
+    pool = host_pool(pages * PAGE // 2, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, page=PAGE)
     assert pool.size >= pages * PAGE, (pool.size, pages)
-    pool._keepalive = (k, v)
     return pool
-
-
-def _storage_config(extra: dict) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-                                model_name="bench-qwen2-0.5b", extra_config=extra)
 
 
 class FileSide:
@@ -116,8 +94,8 @@ class FileSide:
     def __init__(self, folder: Path, pool: Any) -> None:
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-        self.pool, self.backend = pool, HiCacheFile(_storage_config({"file_storage_path": str(folder)}),
-                                                    str(folder))
+        config = storage_config({"file_storage_path": str(folder)}, model_name=MODEL)
+        self.pool, self.backend = pool, HiCacheFile(config, str(folder))
 
     def set(self, keys: list[str], host: Any, prefix: list[str]) -> bool:
         data = [self.pool.get_data_page(host[i * PAGE]) for i in range(len(keys))]
@@ -152,20 +130,14 @@ class StrataSide:
         extra = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
                  "class_name": "StrataStorage", "interface_v1": 1, "l1": {"size": l1_bytes, "pin_memory": False},
                  "l2": {"path": str(folder), "size": "64GiB"}, "namespace": {"model_version": "bench"}}
-        self.backend = StrataStorage(_storage_config(extra), {})
+        self.backend = StrataStorage(storage_config(extra, model_name=MODEL), {})
         self.backend.register_mem_pool_host(pool)
 
-    @staticmethod
-    def _info(prefix: list[str]) -> Any:
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
-
-        return HiCacheStorageExtraInfo(prefix_keys=prefix or None)
-
     def set(self, keys: list[str], host: Any, prefix: list[str]) -> bool:
-        return all(self.backend.batch_set_v1(keys, host, self._info(prefix)))
+        return all(self.backend.batch_set_v1(keys, host, extra_info(prefix)))
 
     def get(self, keys: list[str], host: Any, prefix: list[str]) -> int:
-        info = self._info(prefix)
+        info = extra_info(prefix)
         if self.backend.batch_exists(keys, info) != len(keys):
             return 0
         return sum(self.backend.batch_get_v1(keys, host, info))
@@ -194,7 +166,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     rounds = 3 if quick else 5
     page_bytes = 2 * LAYERS * HEADS * HEAD_DIM * PAGE * 2
     tmp = Path(tempfile.mkdtemp(prefix="kvstrata-bench-sglang-", dir=os.environ.get("KVSTRATA_BENCH_DIR")))
-    pool = host_pool(2 * pages)  # source pages, then the pages read back
+    pool = _pool(2 * pages)  # source pages, then the pages read back
     pool.kv_buffer[:, :, : pages * PAGE].copy_(
         torch.randn((2, LAYERS, pages * PAGE, HEADS, HEAD_DIM)).to(torch.bfloat16))
     src, dst = torch.arange(0, pages * PAGE), torch.arange(pages * PAGE, 2 * pages * PAGE)
@@ -280,7 +252,7 @@ def sglang_fields(quick: bool, timeout: float = 900) -> dict[str, Any]:
         python = find_python()
     except SGLangUnavailable as e:
         return {"sglang": None, "sglang_reason": str(e)}
-    cmd = [python, "-m", "kvstrata.bench.store_sglang", "--json"] + (["--quick"] if quick else [])
+    cmd = [python, "-m", "kvstrata.tools.bench.store_sglang", "--json"] + (["--quick"] if quick else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
@@ -291,7 +263,8 @@ def sglang_fields(quick: bool, timeout: float = 900) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstrata.bench.store_sglang", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvstrata.tools.bench.store_sglang",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="64 pages and 3 rounds instead of 256 and 5")
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default prints it indented)")
     args = parser.parse_args(argv)

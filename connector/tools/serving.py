@@ -1,7 +1,8 @@
 """Run an OpenAI-compatible engine server as a subprocess and talk to it over loopback HTTP.
 
 Used by the demo and benchmarks. The server is a separate process started from the command line a
-user would type, so nothing here imports an engine. Only the standard library's HTTP client.
+user would type, so nothing here imports an engine. Only the standard library's HTTP client;
+``stream`` is the one reader of streamed responses, for vLLM and SGLang servers alike.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,21 @@ class Completion(NamedTuple):
     cached_tokens: int | None
 
 
+def stream(url: str, body: dict[str, Any], timeout: float = 600) -> Iterator[dict[str, Any]]:
+    """POST ``body`` as JSON to ``url`` and yield each chunk of the server-sent event stream, parsed.
+
+    The request goes out on the first ``next``, so a caller's clock started before the loop times
+    the whole request. ``data: [DONE]`` and non-data lines are skipped; the stream ends when the
+    server closes it. vLLM's ``/v1/completions`` and SGLang's ``/generate`` both stream this way.
+    """
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                yield json.loads(line[5:])
+
+
 def complete(server: Server, model: str, prompt: list[int], max_tokens: int = 16,
              cache_salt: str | None = None, timeout: float = 600) -> Completion:
     """Greedy streamed completion of token ids; TTFT is the time to the first streamed token."""
@@ -132,25 +148,18 @@ def complete(server: Server, model: str, prompt: list[int], max_tokens: int = 16
                             "stream_options": {"include_usage": True}}
     if cache_salt:
         body["cache_salt"] = cache_salt
-    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
     start = time.perf_counter()
     ttft = None
     tokens: list[int] = []
     cached = None
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            for choice in chunk.get("choices", []):
-                if ttft is None and (choice.get("text") or choice.get("token_ids")):
-                    ttft = (time.perf_counter() - start) * 1000
-                tokens += choice.get("token_ids") or []
-            usage = chunk.get("usage") or {}
-            details = usage.get("prompt_tokens_details") or {}
-            cached = details.get("cached_tokens", cached)
+    for chunk in stream(server.url + "/v1/completions", body, timeout):
+        for choice in chunk.get("choices", []):
+            if ttft is None and (choice.get("text") or choice.get("token_ids")):
+                ttft = (time.perf_counter() - start) * 1000
+            tokens += choice.get("token_ids") or []
+        usage = chunk.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens", cached)
     total = (time.perf_counter() - start) * 1000
     return Completion(ttft if ttft is not None else total, total, tokens, cached)
 

@@ -1,13 +1,13 @@
 """One engine process of ``kvstrata bench ttft``: run a list of steps, write one JSON result.
 
-Usage: ``python -m kvstrata.bench.ttft_worker SPEC.json``. The spec names the model, the prompt and
-warm-up token ids, the engine options and the steps, each one of: ``warmup`` (untimed request on the
-warm-up prompt, then the same pause as ``store``), ``store`` (untimed request on the prompt, then a short pause so asynchronous saves
-can land), ``reset`` (``llm.reset_prefix_cache()``), ``time`` (timed greedy ``max_tokens=1`` request
-on the prompt: wall ms, and CPU ms of this process, which holds the whole engine when
-VLLM_ENABLE_V1_MULTIPROCESSING=0) and ``output`` (greedy ``max_tokens=N`` request whose token ids
-are kept). The result is written to the spec's ``result_path`` (not stdout, which engine
-subprocesses share).
+Usage: ``python -m kvstrata.tools.bench.ttft_worker SPEC.json``. The spec names the model, the
+prompt and warm-up token ids, the engine options and the steps, each one of: ``warmup`` (untimed
+request on the warm-up prompt, then the same pause as ``store``), ``store`` (untimed request on the
+prompt, then a short pause so asynchronous saves can land), ``reset``
+(``llm.reset_prefix_cache()``), ``time`` (timed greedy ``max_tokens=1`` request on the prompt: wall
+ms, and CPU ms of this process, which holds the whole engine when VLLM_ENABLE_V1_MULTIPROCESSING=0)
+and ``output`` (greedy ``max_tokens=N`` request whose token ids are kept). The result is written to
+the spec's ``result_path`` (not stdout, which engine subprocesses share).
 """
 
 from __future__ import annotations

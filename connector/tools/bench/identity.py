@@ -29,9 +29,9 @@ from typing import Callable
 
 import xxhash
 
-from .. import identity
+from kvstrata import identity
 
-MAKE_MODEL = Path(__file__).resolve().parents[2] / "examples" / "make_tiny_model.py"
+MAKE_MODEL = Path(__file__).resolve().parents[3] / "examples" / "make_tiny_model.py"
 SHARDS = 5
 TENSORS_PER_SHARD = 128
 
