@@ -78,7 +78,7 @@ def store_prompt(store: BlockStore, ns: Namespace, tokens: Sequence[int] | np.nd
 
     Returns the chain and the number of blocks newly stored."""
     epoch, chain = store.chain(ns, tokens)
-    return chain, store.put(ns, epoch, chain, payloads_for(chain, size))
+    return chain, store.save(ns, epoch, chain, payloads_for(chain, size), wait=True)
 
 
 def load_hit(store: BlockStore, hit: Hit, size: int = BLOCK_BYTES) -> tuple[int, torch.Tensor]:

@@ -29,7 +29,7 @@ def test_epoch_state_loss_never_makes_invalidated_blocks_valid_again(tmp_path, n
     with BlockStore(make_config(tmp_path)) as writer:
         store_prompt(writer, ns, tokens)
     bumper = BlockStore(make_config(tmp_path / "other"))  # a store that never saw those blocks
-    bumper.epochs = FileEpochs(tmp_path / "l2" / "epochs")  # ... shares only the epochs
+    bumper.parts.epochs = FileEpochs(tmp_path / "l2" / "epochs")  # ... shares only the epochs
     bumper.invalidate(ns.seed)
     bumper.close()
     shutil.rmtree(tmp_path / "l2" / "epochs")
@@ -63,7 +63,7 @@ def test_a_restored_retired_generation_is_refused(tmp_path, ns):
         store_prompt(a, ns, tokens)
         backup = epoch_file.read_bytes()
     bumper = BlockStore(make_config(tmp_path / "other"))
-    bumper.epochs = FileEpochs(tmp_path / "l2" / "epochs")
+    bumper.parts.epochs = FileEpochs(tmp_path / "l2" / "epochs")
     bumper.invalidate(ns.seed)
     bumper.close()
     epoch_file.write_bytes(backup)  # the restore
@@ -122,7 +122,7 @@ def test_lookup_pin_race_never_serves_another_blocks_bytes(tmp_path, ns):
         while time.monotonic() < stop:
             tokens = prompts[rng.integers(len(prompts))]
             epoch, chain = store.chain(ns, tokens)
-            store.put(ns, epoch, chain, payloads_for(chain))
+            store.save(ns, epoch, chain, payloads_for(chain), wait=True)
 
     def loader(seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -132,7 +132,7 @@ def test_lookup_pin_race_never_serves_another_blocks_bytes(tmp_path, ns):
             try:
                 n, out = load_hit(store, hit)
             finally:
-                store.release(hit)
+                store.complete_load(hit)
             for i in range(n):
                 checked[0] += 1
                 if not torch.equal(out[i], payload_for(hit.chain.keys[i])):
@@ -168,7 +168,7 @@ def test_a_pinned_hit_survives_eviction_pressure_with_its_own_bytes(store_factor
     for i in range(30):
         store_prompt(store, ns, random_tokens(f"other{i}", 2 * BLOCK_SIZE))
     n, out = load_hit(store, hit)
-    store.release(hit)
+    store.complete_load(hit)
     assert n == 3
     for i in range(3):
         assert torch.equal(out[i], payload_for(chain.keys[i]))
@@ -193,7 +193,7 @@ def test_two_tails_of_one_length_under_one_parent_survive_each_others_eviction(s
 
     row = store.index.rows_of([chain_one.keys[-1]])[0]
     for tier in store.tiers:  # evict tail one everywhere, as capacity enforcement would
-        store._drop_from(tier, int(row))
+        store.evictor.drop_from(tier, int(row))
     assert store.lookup(ns, one_more).num_tokens == BLOCK_SIZE
     hit = store.lookup(ns, two_more)
     assert hit.num_tokens == BLOCK_SIZE + 5
@@ -201,6 +201,6 @@ def test_two_tails_of_one_length_under_one_parent_survive_each_others_eviction(s
     assert n == 2 and torch.equal(out[1], payload_for(chain_two.keys[-1]))
 
     with BlockStore(make_config(store.config.l2.path.parent)) as fresh:  # adopts from disk
-        fresh.index = BlockIndex()  # forget the recovery scan: find it through the tail marker
+        fresh.parts.index = BlockIndex()  # forget the recovery scan: find it through the tail marker
         assert fresh.lookup(ns, two_more).num_tokens == BLOCK_SIZE + 5
         assert fresh.lookup(ns, one_more).num_tokens == BLOCK_SIZE

@@ -183,7 +183,7 @@ def test_pinned_blocks_survive_eviction_while_the_lease_holds(store_factory, ns)
         assert n == 1 and torch.equal(out[0], payload_for(k))
 
     for h in hits:
-        store.release(h)
+        store.complete_load(h)
     for p in _prompts("wave2", 64):
         store_prompt(store, ns, p)
     assert not any(_in_l1(store, k) for k in keys[:4])
@@ -607,7 +607,7 @@ def test_lookup_hits_the_longest_stored_prefix(shared_pair, base, stored, querie
     query_seqs = [base[:cut] + suffix for cut, suffix in queries] + stored_seqs
     for s in stored_seqs:
         epoch, chain = writer.chain(ns, s)
-        writer.put(ns, epoch, chain, payloads_for(chain, 64))
+        writer.save(ns, epoch, chain, payloads_for(chain, 64), wait=True)
     for q in query_seqs:
         want = _expected_hit(stored_seqs, q, _SMALL_BS)
         event("miss" if not want else "ends in a partial tail" if want % _SMALL_BS

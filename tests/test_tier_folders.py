@@ -39,7 +39,7 @@ from kvstrata.blockfmt import HEADER, HEADER_SIZE, MAGIC  # noqa: E402
 from kvstrata.cli import main as cli_main  # noqa: E402
 from kvstrata.keys import FORMAT_VERSION  # noqa: E402
 from kvstrata.metrics import Counters  # noqa: E402
-from kvstrata.store import BlockStore  # noqa: E402
+from kvstrata.store import BlockStore, ByteRuns  # noqa: E402
 from kvstrata.tiers import DiskTier  # noqa: E402
 
 NORMAL_S = 5.0  # "normal time" for a store open or a check of a folder of a few dozen files
@@ -495,7 +495,7 @@ def _full_disk_scenario(root: Path, fill: Callable[[], None], free: Callable[[],
                 prompts = [random_tokens(f"{tag}-{i}", 4 * BLOCK_SIZE) for i in range(4)]
                 for tokens in prompts:
                     epoch, chain = store.chain(ns, tokens)
-                    store.put(ns, epoch, chain, payloads_for(chain, BIG))
+                    store.save(ns, epoch, chain, payloads_for(chain, BIG), wait=True)
                 for tokens in prompts:  # every request is still served, with exact bytes
                     hit = store.lookup(ns, tokens)
                     n, out = load_hit(store, hit, BIG)
@@ -662,10 +662,10 @@ def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
                 epoch, chain = store.chain(ns, tokens)
                 data = payloads_for(chain)
                 if path == "put_direct":
-                    assert store.put_direct(ns, epoch, chain, BLOCK_BYTES,
-                                            lambda k: [memoryview(data[k].numpy())]) == 6
+                    runs = ByteRuns(BLOCK_BYTES, lambda k: [memoryview(data[k].numpy())])
+                    assert store.save(ns, epoch, chain, runs, wait=True) == 6
                 else:
-                    store.put(ns, epoch, chain, data)
+                    store.save(ns, epoch, chain, data, wait=True)
         finally:
             stop.set()
             sampler.join()

@@ -4,7 +4,8 @@
 the bound, refuses at once (the caller counts the drop). A job that raises is logged with its
 traceback and then ``on_fail()`` runs, so whoever waits for the job (an engine holding buffers
 until ``on_done(n)``, a request waiting for staging) always hears back. Nothing here waits on the
-engine's thread except ``flush()``, which tests and shutdown use.
+engine's thread except ``flush()``, which tests and shutdown use. ``fan_out(n, fn)`` runs ``n``
+items on the calling thread and the idle save threads together, for a caller that waits anyway.
 """
 
 from __future__ import annotations
@@ -43,6 +44,41 @@ class Saver:
             self._pending += n_blocks
         self._queue.put((n_blocks, job, on_fail))
         return True
+
+    def fan_out(self, n: int, fn: Callable[[int], None]) -> None:
+        """Run ``fn(0)`` .. ``fn(n - 1)`` on this thread and up to every save thread, and return
+        when every call has finished. File writes release the GIL, so the kernel's page-cache
+        copies of different blocks overlap. Items are taken from a shared counter, so a save
+        thread busy with queued saves just finds nothing left: this never waits for unrelated
+        jobs, and is safe to call from a save thread."""
+        helpers = min(len(self._threads), n - 1)
+        if helpers <= 0:
+            for k in range(n):
+                fn(k)
+            return
+        items = iter(range(n))
+        cond = threading.Condition()
+        finished = [0]
+
+        def drain() -> None:
+            while True:
+                with cond:
+                    k = next(items, None)
+                if k is None:
+                    return
+                try:
+                    fn(k)
+                finally:
+                    with cond:
+                        finished[0] += 1
+                        cond.notify_all()
+
+        for _ in range(helpers):
+            if not self.submit(0, drain):
+                break
+        drain()
+        with cond:
+            cond.wait_for(lambda: finished[0] == n)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -1,0 +1,127 @@
+"""Capacity: L1 slots taken by LRU eviction (demoting a block to L2 when L2 is written on
+eviction), backing tiers trimmed before each batch, and ``gc`` of older epochs.
+
+A block leaves a tier only after the index ``claim``s it there, which fails while the block is
+pinned: a reader holding a pin never has its block deleted, nor its slot or row reused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..index import EntryMeta
+from ..tiers import BlockTier, DiskTier
+from .parts import Parts
+from .protocol import Reservation
+
+_EVICT_BATCH = 16
+
+Demote = Callable[[list[EntryMeta], list[torch.Tensor]], int]
+
+
+class Evictor:
+    def __init__(self, parts: Parts, demote: Demote) -> None:
+        """``demote(metas, payloads)`` writes blocks L1 evicts to the backing tiers."""
+        self.p = parts
+        self._demote = demote
+        self._lock = threading.Lock()  # one reservation evicts at a time
+
+    def reserve_slots(self, metas: list[EntryMeta]) -> Reservation:
+        """Fresh L1 slots for ``metas`` (one block size), evicting LRU blocks for room; a prefix
+        of them when L1 holds too many pinned blocks. Nobody sees the slots until published."""
+        p = self.p
+        if not metas:
+            return Reservation([], [])
+        size = metas[0].size
+        if any(m.size != size for m in metas) or not p.l1.fits(size):
+            p.counters.inc("l1_too_large" if not p.l1.fits(size) else "l1_mixed_sizes")
+            return Reservation([], [])
+        with self._lock:
+            slots = p.l1.reserve(len(metas), size)
+            while len(slots) < len(metas):
+                victims = p.index.lru_victims(p.l1.bit, len(metas) - len(slots))
+                if not victims:
+                    p.counters.inc("l1_full", len(metas) - len(slots))
+                    break
+                for row in victims:
+                    self._evict_l1(row)
+                slots += p.l1.reserve(len(metas) - len(slots), size)
+        return Reservation(metas[: len(slots)], slots)
+
+    def _evict_l1(self, row: int) -> None:
+        p = self.p
+        meta = p.index.meta(row)
+        demote = (p.l2 is not None and p.config.l2.write == "on_evict"
+                  and not int(p.index.tiers_of(np.array([row]))[0]) & p.l2.bit)
+        if demote:
+            _rows, lease = p.index.pin_keys([meta.key])  # the slot must not be reused mid-write
+            try:
+                slot = p.l1.slot_of(meta.key) if lease is not None else None
+                if slot is not None and p.l1.data is not None:
+                    self._demote([meta], [p.l1.data[slot, : meta.size]])
+                    p.counters.inc("l1_demoted")
+            finally:
+                if lease is not None:
+                    p.index.unpin(lease)
+        if p.index.claim(meta.key, p.l1.bit):
+            p.l1.delete(meta.key)
+            p.counters.inc("l1_evicted")
+
+    def enforce_capacity(self, tier: BlockTier) -> None:
+        self.make_room(tier, 0)
+
+    def make_room(self, tier: BlockTier, nbytes: int) -> None:
+        """Evict least recently used blocks of ``tier`` until ``nbytes`` more fit in its capacity.
+
+        Called before a batch is written, so a tier never holds more than its capacity (a disk
+        tier also refuses a write its capacity has no room for: a concurrent writer may have
+        taken the room meanwhile, and that block is then dropped, not the bound exceeded)."""
+        index = self.p.index
+        while tier.used_bytes + nbytes > tier.capacity_bytes:
+            victims = index.lru_victims(tier.bit, _EVICT_BATCH)
+            dropped = 0
+            for row in victims:
+                if tier.used_bytes + nbytes <= tier.capacity_bytes:
+                    return
+                if self.drop_from(tier, row):
+                    dropped += 1
+                    self.p.counters.inc(f"{tier.name}_evicted")
+            if not dropped:  # nothing evictable (all pinned or claimed by others meanwhile)
+                return
+
+    def drop_from(self, tier: BlockTier, row: int) -> bool:
+        """Delete the block at ``row`` from ``tier`` unless it is pinned (or claimed meanwhile)."""
+        meta = self.p.index.meta(row)
+        if not self.p.index.claim(meta.key, tier.bit):
+            return False
+        tier.delete(meta.key)
+        if meta.tail and isinstance(tier, DiskTier):
+            tier.delete_tail_marker(meta.parent, meta.ntok, meta.key)
+        return True
+
+    def namespaces(self) -> list[bytes]:
+        seeds = {meta.ns_seed for _, meta, _ in self.p.index.entries()}
+        return sorted(seeds | set(self.p.epochs.known()))
+
+    def gc(self, only: list[bytes] | None = None) -> dict[str, int]:
+        """Reclaim unpinned entries of older epochs, then enforce every tier's capacity."""
+        p = self.p
+        removed = Counter[str]()
+        for seed in only or self.namespaces():
+            for row in p.index.stale_rows(seed, p.epochs.get(seed)):
+                bits = int(p.index.tiers_of(np.array([row]))[0])
+                for tier in p.tiers:
+                    if bits & tier.bit and self.drop_from(tier, row):
+                        removed[tier.name] += 1
+        for tier in p.backing:
+            self.enforce_capacity(tier)
+            swept = tier.sweep(p.config.lease_seconds)
+            if swept:
+                removed[tier.name] += swept
+        p.counters.inc("gc_removed", sum(removed.values()))
+        return dict(removed)

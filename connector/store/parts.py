@@ -1,0 +1,78 @@
+"""The pieces every part of the store shares, and how they are built from the config.
+
+``Parts`` holds the index, L1, the backing tiers (L2 disk, then the shared tier), the epochs, the
+counters and the background save threads. ``open_parts`` builds them and rebuilds the index from
+the blocks L2 holds. The lookup, load, write and evict parts each hold the one ``Parts`` and read
+its fields at every call, so that swapping a field (a test sharing another store's epochs) is
+seen by all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..config import StrataConfig, check_fits_one_block
+from ..epochs import EpochStore, FileEpochs, MemoryEpochs
+from ..index import BlockIndex
+from ..metrics import Counters
+from ..tiers import REMOTE_BACKENDS, BlockTier, DiskTier, MemoryTier
+from .saver import Saver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Parts:
+    config: StrataConfig
+    counters: Counters
+    index: BlockIndex
+    l1: MemoryTier
+    l2: DiskTier | None
+    remote: BlockTier | None
+    backing: list[BlockTier]  # L2 first, then the shared tier: the order loads try them in
+    epochs: EpochStore
+    saver: Saver
+
+    @property
+    def tiers(self) -> list[BlockTier]:
+        return [self.l1, *self.backing]
+
+    @property
+    def l2_written_through(self) -> bool:
+        """Whether a committed block is written to L2 at once (else when L1 evicts it)."""
+        return self.l2 is not None and self.config.l2.write == "through"
+
+
+def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | None) -> Parts:
+    if l1_slot_bytes:
+        check_fits_one_block(config, l1_slot_bytes)
+    counters = Counters()
+    index = BlockIndex(key_bits=config.testing.key_bits, lease_s=config.lease_seconds)
+    l1 = MemoryTier(counters, config.l1.size, l1_slot_bytes, config.l1.pin_memory, l1_shared_path)
+    backing: list[BlockTier] = []
+    l2: DiskTier | None = None
+    epochs: EpochStore = MemoryEpochs()
+    if config.l2.enabled:
+        l2 = DiskTier(counters, config.l2.path, config.l2.size, config.l2.fsync,
+                      config.testing.l2_write_delay_ms / 1000)
+        backing.append(l2)
+        epochs = FileEpochs(config.l2.path / "epochs")
+        _recover(index, l2)
+    remote: BlockTier | None = None
+    if config.remote.enabled:  # the shared tier also holds the epochs every instance obeys
+        floor = config.l2.path / "epochs" if config.l2.enabled else None  # the disk remembers
+        remote, epochs = REMOTE_BACKENDS[config.remote.backend](counters, config.remote, floor)
+        backing.append(remote)
+    saver = Saver(config.saves.queue_blocks, config.saves.threads)
+    return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver)
+
+
+def _recover(index: BlockIndex, tier: DiskTier) -> None:
+    """Rebuild the index from committed files; dead temp files are dropped by the scan."""
+    # Newest first: ``commit_many`` stamps earlier entries as more recently used, so the LRU
+    # order follows the files' mtimes and the oldest files are evicted first.
+    found = sorted(tier.scan_files(), key=lambda item: item[2], reverse=True)
+    index.commit_many([meta for meta, _path, _mtime in found], tier.bit)
+    if found:
+        log.info("kvstrata: recovered %d blocks (%d bytes) from %s", len(found), tier.used_bytes, tier.root)
