@@ -1,4 +1,5 @@
-"""Moving whole KV blocks between an engine's per-layer KV tensors and L1 arena slots.
+"""blockcopy.py: ``BlockLayout``, moving whole KV blocks between an engine's per-layer KV tensors
+and L1 arena slots (``save``: engine to slots, ``load``: slots to engine).
 
 An engine keeps one KV tensor per layer, with the block index on some dimension (dim 0 for vLLM's
 CPU and FlashInfer layouts ``[num_blocks, ...]``, dim 1 for FlashAttention's ``[2, num_blocks,
@@ -10,7 +11,7 @@ Copies are one batched index operation per layer and direction for each run of c
 slots (a hit or a save is usually one run): on CPU ``index_copy_`` scatters a run of slots straight
 into the engine's blocks, and ``index_select(..., out=)`` gathers blocks straight into a run of
 slots. Neither makes a temporary: a gather into a fresh tensor costs a page fault per 4 KiB of it,
-which made a 37 MB hit take 13-300 ms instead of 3-5 ms here. On CUDA the host side goes through a
+which makes a hit many times slower and its time erratic. On CUDA the host side goes through a
 pinned staging buffer on a side stream, with one event per layer so that a forward pass can wait
 for exactly the layer it is about to read.
 """
@@ -28,6 +29,11 @@ def block_dim(shape: tuple[int, ...], num_blocks: int) -> int:
         if size == num_blocks:
             return dim
     raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV cache shape {tuple(shape)}")
+
+
+def _check_pairs(slots: list[int], block_ids: list[int]) -> None:
+    if len(slots) != len(block_ids):
+        raise ValueError(f"{len(slots)} arena slots for {len(block_ids)} engine blocks: one slot per block")
 
 
 @dataclass
@@ -67,6 +73,7 @@ class BlockLayout:
         """Copy engine blocks ``block_ids`` into arena rows ``slots`` (all layers); done on return."""
         if not block_ids:
             return
+        _check_pairs(slots, block_ids)
         if not self._cuda:
             for start, ids in self._runs(slots, block_ids):
                 for layer in self.layers:  # gather blocks straight into the slots: one op per layer
@@ -92,6 +99,7 @@ class BlockLayout:
         """
         if not block_ids:
             return
+        _check_pairs(slots, block_ids)
         if not self._cuda:
             for start, ids in self._runs(slots, block_ids):
                 for layer in self.layers:  # scatter the slots straight into the blocks: one op per layer
@@ -111,7 +119,6 @@ class BlockLayout:
     @staticmethod
     def _runs(slots: list[int], block_ids: list[int]) -> list[tuple[int, torch.Tensor]]:
         """``(first slot, block ids)`` for each run of consecutive slots."""
-        assert len(slots) == len(block_ids)
         runs, begin = [], 0
         for i in range(1, len(slots) + 1):
             if i == len(slots) or slots[i] != slots[i - 1] + 1:
@@ -126,7 +133,6 @@ class BlockLayout:
         return raw.view(layer.blocks.dtype).view(n, *layer.blocks.shape[1:])
 
     def _indices(self, slots: list[int], block_ids: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
-        assert len(slots) == len(block_ids)
         return (len(block_ids), torch.tensor(slots, dtype=torch.long),
                 torch.tensor(block_ids, dtype=torch.long, device=self.device))
 

@@ -1,4 +1,6 @@
-"""Binary header of a stored block (disk files, remote values): fixed 128 bytes, then the payload.
+"""blockfmt.py: a stored block's bytes (disk files, remote values): the 128-byte header, then the
+payload. Owns ``pack_header`` / ``unpack_header``, the payload checksum, and ``verify_block``: the
+one check of a block read back from a tier that leaves the process.
 
 Layout (little endian): magic ``KVSB``, format version u16, flags u16 (bit 0: partial block),
 key, parent key and namespace seed (16 B each), fingerprint, payload checksum (xxh3-64), epoch and
@@ -10,7 +12,7 @@ so a torn or foreign file is rejected before its size is used. Never pickle.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import xxhash
 
@@ -85,3 +87,42 @@ def payload_checksum_of(parts: Sequence[memoryview]) -> int:
     for part in parts:
         h.update(part)
     return h.intdigest()
+
+
+class Mismatch(NamedTuple):
+    """Why a stored block is not the block asked for. ``kind``: ``bad_header`` (not a header of
+    this format), ``wrong_key`` (another block's header), ``wrong_size`` (sizes disagree) or
+    ``checksum`` (payload bytes changed). ``corrupt`` is False only for a well-formed header of
+    another format version: not this kvstrata's to delete."""
+
+    kind: str
+    why: str
+    corrupt: bool = True
+
+
+def verify_block(meta: EntryMeta, header: bytes | bytearray, payload_size: int,
+                 payload: Sequence[memoryview], where: str) -> Mismatch | None:
+    """Check a block read back from a tier against ``meta``, the entry it was read for: its
+    ``header`` bytes, ``payload_size`` (the payload bytes the tier holds) and the ``payload`` read
+    (runs, checksummed as one). None when it is that block, intact.
+
+    The fast path is one comparison with the header ``meta`` packs to. Otherwise the header is
+    parsed, only to say what is wrong, to learn a checksum ``meta`` lacks, or to accept the same
+    block written again by another writer, with its own checksum."""
+    if not meta.checksum or header != pack_header(meta):
+        try:
+            stored = unpack_header(header, where)
+        except FormatError as e:
+            return Mismatch("bad_header", str(e), e.corrupt)
+        if (stored.key, stored.parent, stored.ns_seed, stored.epoch, stored.fp, stored.ntok, stored.tail) != (
+                meta.key, meta.parent, meta.ns_seed, meta.epoch, meta.fp, meta.ntok, meta.tail):
+            return Mismatch("wrong_key", f"it holds another block or generation: block {stored.key.hex()}, "
+                                         f"parent {stored.parent.hex()}, generation {stored.epoch}")
+        if stored.size != meta.size:
+            return Mismatch("wrong_size", f"its header says {stored.size} bytes, the index entry {meta.size}")
+        meta = stored
+    if payload_size != meta.size:
+        return Mismatch("wrong_size", f"it holds {payload_size} payload bytes, its header says {meta.size}")
+    if payload_checksum_of(payload) != meta.checksum:
+        return Mismatch("checksum", "payload checksum mismatch")
+    return None

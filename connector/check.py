@@ -1,7 +1,8 @@
-"""Integrity scan of a disk tier folder: every header parsed, every payload checksummed.
+"""check.py: ``check_disk``, the integrity scan of a disk tier folder (``kvstrata check``): every
+header parsed, every payload checksummed.
 
 Works on the files alone (no store is opened), so it can run beside live engines. It is the
-engine's start-up scan (``tiers.folder.scan_folder``) with payload checksums: no symlink is followed
+engine's start-up scan (``tiers.scan.scan_folder``) with payload checksums: no symlink is followed
 and only regular files are opened. With ``fix``, bad blocks of this format version, dead writers'
 temp files and tail markers whose block is gone are deleted: exactly what a reader would have
 rejected anyway, so fixing never removes a servable block. Blocks of other format versions,
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .tiers.disk import DiskTier
-from .tiers.folder import BLOCK, DAMAGED, ORPHAN, OTHER_VERSION, SKIPPED, TEMP, Found, scan_folder, scan_tails
+from .tiers.scan import BLOCK, DAMAGED, ORPHAN, OTHER_VERSION, SKIPPED, TEMP, Found, scan_folder, scan_tails
 
 LISTED = 100  # skipped entries listed in the report (all are counted)
 

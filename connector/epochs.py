@@ -1,4 +1,7 @@
-"""Namespace epochs: bumping one hides every older entry of that namespace at once.
+"""epochs.py: namespace epochs (``EpochStore``: ``get``, ``bump``; ``MemoryEpochs``, ``FileEpochs``)
+and ``Retired``, the generations seen replaced. Bumping an epoch hides every older entry of that
+namespace at once. (Over 300 lines: the rules below and the two stores here that follow them, most
+of it ``FileEpochs`` on a folder other processes write too.)
 
 An epoch is a *generation*: a random non-zero 64-bit id, not a counter. The current generation is
 part of block -1's key (see keys.root_key), so after a bump no key of an older generation is ever
@@ -19,7 +22,7 @@ retired generation read back as lost state: it is replaced by a fresh one.
 
 Where the generation lives decides who sees a bump: ``MemoryEpochs`` (this process),
 ``FileEpochs`` (every process sharing a folder: one small file per namespace, replaced atomically,
-checked with one stat() per lookup), ``RedisEpochs`` in ``tiers/redis.py`` (every instance sharing
+checked with one stat() per lookup), ``RedisEpochs`` in ``tiers/redis_epochs.py`` (every instance sharing
 the Redis).
 """
 

@@ -1,4 +1,5 @@
-"""Content addressing: namespaces and chained block keys.
+"""keys.py: content addressing: ``Namespace`` (with its seed) and chained block keys
+(``root_key``, ``chain_keys``, ``chain_digests``, ``block_key``).
 
 A *namespace* names everything that makes KV bytes incompatible (engine, model and weights version,
 KV dtype and layout, parallel rank, storage format, tenant). Its seed, together with the namespace's

@@ -1,4 +1,5 @@
-"""Counters of one store: hits per tier, load failures, dropped saves, evictions, bytes moved.
+"""metrics.py: ``Counters``, the counters of one store: hits per tier, load failures, dropped
+saves, evictions, bytes moved.
 
 One object, one lock; every component increments through ``inc``. ``snapshot()`` feeds
 ``kvstrata stats``, the engines' own stats hooks and, when prometheus-client is installed,

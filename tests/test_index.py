@@ -93,14 +93,15 @@ def test_duplicate_commit_keeps_one_entry_and_adds_tiers():
 
 def test_pins_protect_from_eviction_until_unpinned_or_expired():
     index = BlockIndex(lease_s=0.2)
-    rows = commit_chain(index, chain_for(range(64)))
-    lease = index.pin(np.array(rows[:2]))
+    chain = chain_for(range(64))
+    rows = commit_chain(index, chain)
+    _, lease = index.pin_keys(chain.keys[:2])
     assert set(index.lru_victims(1, 10)) == set(rows[2:])
     key0 = index.meta(rows[0]).key
     assert not index.claim(key0, 1)
     index.unpin(lease)
     assert index.claim(key0, 1)
-    index.pin(np.array([rows[1]]))
+    index.pin_keys([chain.keys[1]])
     assert rows[1] not in index.lru_victims(1, 10)
     time.sleep(0.3)
     assert rows[1] in index.lru_victims(1, 10)

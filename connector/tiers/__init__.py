@@ -1,6 +1,10 @@
-"""Storage media. ``TIERS`` maps a tier name to its class (L1 memory, L2 disk); ``REMOTE_BACKENDS``
-maps ``remote.backend`` to a factory returning the shared tier and the epoch store it carries
-(``floor``: a local folder where that store keeps the generations it saw replaced, or None)."""
+"""tiers: the storage media, one module each, behind the ``BlockTier`` interface (``base``).
+
+``memory`` is L1 (slots in one CPU arena, ``arena``), ``disk`` is L2 (one file per block in a
+folder, ``folder`` and ``scan``), and the shared L3 is ``sharedfs`` (a shared folder) or ``redis``.
+``REMOTE_BACKENDS`` maps ``remote.backend`` to a factory returning the shared tier and the epoch
+store it carries (``floor``: a local folder where that store keeps the generations it saw
+replaced, or None)."""
 
 from __future__ import annotations
 
@@ -15,20 +19,17 @@ from .disk import DiskTier
 from .memory import MemoryTier
 from .sharedfs import SharedFsTier
 
-TIERS: dict[str, type[BlockTier]] = {MemoryTier.name: MemoryTier, DiskTier.name: DiskTier}
-
-
 def _redis(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[BlockTier, EpochStore]:
-    from .redis import RedisEpochs, RedisTier  # redis-py is an optional dependency
+    from .redis import RedisTier  # redis-py is an optional dependency
+    from .redis_epochs import RedisEpochs
 
     tier = RedisTier(counters, cfg)
     return tier, RedisEpochs(tier, cfg, floor)
 
 
 def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[BlockTier, EpochStore]:
-    assert cfg.path is not None
     tier = SharedFsTier(counters, cfg)
-    return tier, FileEpochs(cfg.path / "epochs", tier.modes())  # the group shares the epochs too
+    return tier, FileEpochs(tier.root / "epochs", tier.modes())  # the group shares the epochs too
 
 
 REMOTE_BACKENDS: dict[str, Callable[[Counters, RemoteConfig, Path | None], tuple[BlockTier, EpochStore]]] = {
@@ -36,4 +37,4 @@ REMOTE_BACKENDS: dict[str, Callable[[Counters, RemoteConfig, Path | None], tuple
     "fs": _fs,
 }
 
-__all__ = ["REMOTE_BACKENDS", "TIERS", "BlockTier", "DiskTier", "MemoryTier", "SharedFsTier"]
+__all__ = ["REMOTE_BACKENDS", "BlockTier", "DiskTier", "MemoryTier", "SharedFsTier"]

@@ -1,4 +1,4 @@
-"""The medium interface every tier implements (L1 memory, L2 disk, and later shared tiers).
+"""tiers/base.py: ``BlockTier``, the medium interface every tier implements (L1 memory, L2 disk, L3).
 
 A tier stores opaque payloads under a key, next to the metadata the index needs to revalidate
 them. The index decides *what* is valid; a tier only answers *whether it still holds those bytes*:
@@ -43,7 +43,6 @@ def pid_alive(pid: int) -> bool:
 class BlockTier(ABC):
     name: str = ""
     bit: int = 0
-    verifies: bool = True  # whether reads check the payload checksum (tiers outside the process)
 
     def __init__(self, counters: Counters) -> None:
         self.counters = counters

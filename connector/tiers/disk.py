@@ -1,6 +1,8 @@
-"""L2: local disk, one file per block in sharded folders, published by rename.
+"""tiers/disk.py: L2, ``DiskTier``: local disk, one file per block in sharded folders, published
+by rename. (Over 300 lines: the write, read, probe, tail-marker and recovery paths of one folder
+format, which ``sharedfs`` reuses whole.)
 
-Layout under ``root``::
+Layout under ``root`` (the names: ``folder``)::
 
     blocks/ab/<key hex>.kvb             128-byte header (blockfmt) + payload, mode 0600
     blocks/ab/.<key hex>.<pid>.<n>.tmp  a write in progress (never read)
@@ -21,17 +23,14 @@ Crash safety: a crash before the rename leaves only a temp file, which recovery 
 writer is gone (``temp_is_stale``); after the rename the block is complete. ``fsync: true`` adds
 durability across power loss at the cost of write bandwidth.
 
-The folder is input kvstrata does not control (on a shared folder, every host writes there), so
-nothing in it is trusted (``tiers.folder``): symbolic links are never followed, only regular files
-are opened (``O_NONBLOCK``, so a FIFO cannot block, then ``fstat``), and only regular files whose
-names kvstrata writes, of its own format version, are ever deleted; everything else is left alone,
-counted and reported. The start-up scan and ``kvstrata check`` are one function (``scan_folder``).
-A shard folder that is not a real folder at start-up is not used. Modes are set only on folders
-kvstrata creates; an existing root others can write to gets a warning, never a ``chmod``.
+The folder is input kvstrata does not control, so nothing in it is trusted (the rules: ``folder``);
+the start-up scan and ``kvstrata check`` are one function (``scan.scan_folder``). A shard folder
+that is not a real folder at start-up is not used. Modes are set only on folders kvstrata creates;
+an existing root others can write to gets a warning, never a ``chmod``.
 
 ``l2.size`` holds at every instant: a write first takes its bytes from the capacity (the store
-evicts before a batch, ``BlockStore._make_room``) and is refused when they are not there. A full
-filesystem (ENOSPC, EDQUOT) drops the blocks that do not fit, logged once per burst.
+evicts before a batch) and is refused when they are not there. A full filesystem (ENOSPC, EDQUOT)
+drops the blocks that do not fit, logged once per burst.
 
 ``write_views``/``read_views`` take the payload as a list of runs (e.g. one page of SGLang's host
 pool, one run per layer and K/V) and move it with one ``pwritev``/``preadv`` and a streaming
@@ -41,7 +40,6 @@ the file is byte-identical to one written from a contiguous payload.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import logging
 import os
@@ -54,55 +52,17 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..blockfmt import HEADER_SIZE, FormatError, pack_header, payload_checksum_of, unpack_header
+from ..blockfmt import HEADER_SIZE, FormatError, pack_header, unpack_header, verify_block
 from ..index import EntryMeta
 from ..metrics import Counters
 from .base import BlockTier, pid_alive
-from .folder import (BLOCK, DAMAGED, OPEN_DIR, OTHER_VERSION, SHARDS, SKIPPED, SUFFIX, TEMP, Found, make_folder,
-                     marker_ntok, open_regular, scan_folder)
+from .folder import (FULL_ERRNOS, OPEN_DIR, FullDisk, block_name, make_folder, marker_name, marker_ntok, open_regular, prepare_shards,
+                     temp_name, warn_if_open, write_all)
+from .scan import BLOCK, DAMAGED, OTHER_VERSION, SKIPPED, TEMP, Found, scan_folder
 
 log = logging.getLogger(__name__)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv/pwritev
 TEMP_MAX_AGE_S = 3600.0  # a temp file this old is a leftover whoever wrote it: no write lasts an hour
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-_warned_modes: set[str] = set()
-
-
-def _marker(ntok: int, key: bytes) -> str:
-    return f"{ntok}.{key.hex()}"
-
-
-# ------------------------------------------------------------------------------ full disk
-class _FullDisk:
-    """A full filesystem (ENOSPC, EDQUOT) is logged once per burst, not once per block: the first
-    dropped block names the folder; the first write that succeeds afterwards says how much was
-    dropped meanwhile. Every drop is counted (``<tier>_full_drops``)."""
-
-    def __init__(self, label: str, folder: Path, counters: Counters, counter: str) -> None:
-        self._label, self._folder, self._counters, self._counter = label, folder, counters, counter
-        self._lock = threading.Lock()
-        self._blocks = self._bytes = 0
-
-    def dropped(self, err: OSError, path: str, size: int) -> None:
-        self._counters.inc(self._counter)
-        with self._lock:
-            first = self._blocks == 0
-            self._blocks += 1
-            self._bytes += size
-        if first:
-            log.warning("kvstrata %s: %s is full (%s): block %s (%d bytes) was not saved, nor will be any "
-                        "block until space returns; requests are served and recompute what is missing",
-                        self._label, self._folder, os.strerror(err.errno), os.path.basename(path), size)
-
-    def resumed(self) -> None:
-        if not self._blocks:  # the common case: no lock
-            return
-        with self._lock:
-            blocks, size = self._blocks, self._bytes
-            self._blocks = self._bytes = 0
-        if blocks:
-            log.warning("kvstrata %s: space is back in %s: saving again (%d blocks, %d bytes were dropped "
-                        "while it was full)", self._label, self._folder, blocks, size)
 
 
 # ------------------------------------------------------------------------------ the tier
@@ -123,56 +83,21 @@ class DiskTier(BlockTier):
         self._blocks = self.root / "blocks"
         self._tails = self.root / "tails"
         if not make_folder(self.root, 0o700):
-            self._check_root_mode()
+            warn_if_open(self.root, self.open_mode_bits, self.label)
         self._dir_mode, self._file_mode = self.modes()
-        self._bad = self._prepare(self._blocks) | self._prepare(self._tails)
+        self._bad = (prepare_shards(self._blocks, self._dir_mode, self.label)
+                     | prepare_shards(self._tails, self._dir_mode, self.label))
         self._prefix = str(self._blocks) + os.sep
         self._lock = threading.Lock()
         self._used = 0
         self._seq = itertools.count()
         self._made: set[Path] = set()
-        self._full = _FullDisk(self.label, self.root, counters, f"{self.name}_full_drops")
+        self._full = FullDisk(self.label, self.root, counters, f"{self.name}_full_drops")
 
     # ------------------------------------------------------------ folders
     def modes(self) -> tuple[int, int]:
         """Modes of the folders and files this tier creates: private (0700/0600)."""
         return 0o700, 0o600
-
-    def _check_root_mode(self) -> None:
-        """The root existed: its mode is the owner's choice, never changed; warn (once per
-        process) if users other than its owner can write there."""
-        mode = stat.S_IMODE(os.stat(self.root).st_mode)
-        key = str(self.root)
-        if mode & self.open_mode_bits and key not in _warned_modes:
-            _warned_modes.add(key)
-            log.warning("kvstrata %s: %s has mode %s: other users can write there, and whoever writes there "
-                        "decides which KV this engine serves; kvstrata leaves the mode of a folder it did not "
-                        "create as it is (give it mode 0700, or let kvstrata create a new folder)",
-                        self.label, self.root, oct(mode))
-
-    def _prepare(self, top: Path) -> set[str]:
-        """Create ``top`` and its 256 shards (tolerating concurrent creators); the shards that are
-        not real folders (a planted symlink, a file) are returned and never used."""
-        make_folder(top, self._dir_mode)
-        try:
-            present = {e.name: e for e in os.scandir(top) if e.name in SHARDS}
-        except OSError:  # not a folder, or a dangling link: found out just below
-            present = {}
-        if not stat.S_ISDIR(os.lstat(top).st_mode):
-            log.warning("kvstrata %s: %s is not a real folder; this tier stores nothing", self.label, top)
-            return {f"{top.name}/{s}" for s in SHARDS}
-        bad = set()
-        for shard in SHARDS:
-            entry = present.get(shard)
-            if entry is None:
-                make_folder(top / shard, self._dir_mode)
-            elif not entry.is_dir(follow_symlinks=False):
-                bad.add(f"{top.name}/{shard}")
-        if bad:
-            log.warning("kvstrata %s: %d shard folders under %s are not real folders (e.g. symlinks) and are "
-                        "not used; blocks hashed to them are not stored: %s", self.label, len(bad), top,
-                        ", ".join(sorted(bad)[:8]))
-        return bad
 
     def _usable(self, top: str, h: str) -> bool:
         return not self._bad or f"{top}/{h[:2]}" not in self._bad
@@ -183,7 +108,7 @@ class DiskTier(BlockTier):
 
     def _file(self, key: bytes) -> str:
         h = key.hex()
-        return f"{self._prefix}{h[:2]}/{h}{SUFFIX}"
+        return f"{self._prefix}{h[:2]}/{block_name(h)}"
 
     def _tail_dir(self, parent: bytes) -> Path:
         h = parent.hex()
@@ -211,9 +136,10 @@ class DiskTier(BlockTier):
         when ``l2.size`` has no room for it."""
         if not meta.checksum:
             raise ValueError("disk writes need the payload checksum in meta")
-        assert len(parts) < IOV_MAX, "more runs than one pwritev takes"
+        if len(parts) >= IOV_MAX:
+            raise ValueError(f"{len(parts)} runs: one pwritev takes at most {IOV_MAX - 1} besides the header")
         h = meta.key.hex()
-        final = f"{self._prefix}{h[:2]}/{h}{SUFFIX}"
+        final = self._file(meta.key)
         cost = HEADER_SIZE + meta.size
         if not self._usable("blocks", h) or (meta.tail and not self._usable("tails", meta.parent.hex())):
             self.counters.inc(f"{self.name}_unusable_shard")
@@ -221,13 +147,13 @@ class DiskTier(BlockTier):
         if not self._take(cost):
             self.counters.inc(f"{self.name}_no_room")
             return False
-        tmp = f"{self._prefix}{h[:2]}/.{h}.{os.getpid()}.{next(self._seq)}.tmp"
+        tmp = f"{self._prefix}{h[:2]}/{temp_name(h, os.getpid(), next(self._seq))}"
         if self._delay_s:
             time.sleep(self._delay_s)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self._file_mode)
             try:
-                _write_all(fd, [pack_header(meta), *parts], cost)
+                write_all(fd, [pack_header(meta), *parts], cost)
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -239,7 +165,7 @@ class DiskTier(BlockTier):
             with self._lock:
                 self._used -= cost
             self.counters.inc(f"{self.name}_write_errors")
-            if e.errno in _FULL:
+            if e.errno in FULL_ERRNOS:
                 self._full.dropped(e, final, meta.size)
             else:
                 log.warning("kvstrata %s: write of %s failed: %s", self.label, final, e)
@@ -264,7 +190,7 @@ class DiskTier(BlockTier):
             make_folder(tail, self._dir_mode)
             dfd = os.open(tail, OPEN_DIR)
         try:
-            os.close(os.open(_marker(meta.ntok, meta.key), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+            os.close(os.open(marker_name(meta.ntok, meta.key), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
                              | os.O_NONBLOCK | os.O_CLOEXEC, self._file_mode, dir_fd=dfd))
         finally:
             os.close(dfd)
@@ -291,7 +217,8 @@ class DiskTier(BlockTier):
     def read_views(self, meta: EntryMeta, parts: Sequence[memoryview]) -> bool:
         """``read`` into consecutive runs (writable, ``meta.size`` bytes in all): one ``preadv``
         and a streaming checksum over the runs. On failure the runs hold garbage: never use them."""
-        assert len(parts) < IOV_MAX, "more runs than one preadv takes"
+        if len(parts) >= IOV_MAX:
+            raise ValueError(f"{len(parts)} runs: one preadv takes at most {IOV_MAX - 1} besides the header")
         path = self._file(meta.key)
         header = bytearray(HEADER_SIZE)
         opened = self._open_block(meta.key)
@@ -307,31 +234,15 @@ class DiskTier(BlockTier):
             return False
         finally:
             os.close(fd)
-        problem = self._verify(path, meta, header, got, parts)
-        if problem is None:
+        bad = verify_block(meta, header, got - HEADER_SIZE, parts, path)
+        if bad is None:
             self.counters.inc(f"{self.name}_bytes_read", meta.size)
             return True
-        log.warning("kvstrata %s: dropping %s: %s", self.label, path, problem)
+        log.warning("kvstrata %s: dropping %s: %s", self.label, path, bad.why)
         self.counters.inc("checksum_failures")
-        self.delete(meta.key)
+        if bad.corrupt:  # another format version's block is not ours to delete
+            self.delete(meta.key)
         return False
-
-    def _verify(self, path: str, meta: EntryMeta, header: bytearray, got: int,
-                parts: Sequence[memoryview]) -> str | None:
-        if got != HEADER_SIZE + meta.size:
-            return f"size {got - HEADER_SIZE} bytes, expected {meta.size}"
-        if not meta.checksum or header != pack_header(meta):
-            # Slow path, only to say what is wrong (or to learn an unknown checksum).
-            try:
-                stored = unpack_header(header, path)
-            except FormatError as e:
-                return str(e)
-            if (stored.key, stored.parent, stored.fp, stored.size) != (meta.key, meta.parent, meta.fp, meta.size):
-                return "header does not match the index entry"
-            meta = stored
-        if payload_checksum_of(parts) != meta.checksum:
-            return "payload checksum mismatch"
-        return None
 
     def probe(self, key: bytes) -> EntryMeta | None:
         path = self._file(key)
@@ -401,9 +312,9 @@ class DiskTier(BlockTier):
         except OSError:
             return
         try:
-            st = os.stat(_marker(ntok, key), dir_fd=fd, follow_symlinks=False)
+            st = os.stat(marker_name(ntok, key), dir_fd=fd, follow_symlinks=False)
             if stat.S_ISREG(st.st_mode):
-                os.unlink(_marker(ntok, key), dir_fd=fd)
+                os.unlink(marker_name(ntok, key), dir_fd=fd)
         except OSError:
             pass
         finally:
@@ -463,22 +374,3 @@ class DiskTier(BlockTier):
         return self._capacity
 
 
-def _write_all(fd: int, bufs: list[bytes | memoryview], total: int) -> None:
-    """Write ``bufs`` at offset 0 with one ``pwritev``. A nearly full disk returns a short count
-    before it fails with ENOSPC: the rest is then written on, so the caller sees the real error."""
-    done = os.pwritev(fd, bufs, 0)
-    if done == total:
-        return
-    skip, offset = done, done
-    for buf in bufs:
-        view = memoryview(buf).cast("B")
-        if skip >= len(view):
-            skip -= len(view)
-            continue
-        view, skip = view[skip:], 0
-        while len(view):
-            n = os.pwrite(fd, view, offset)
-            if n <= 0:
-                raise OSError(errno.EIO, f"short write at offset {offset}")
-            offset += n
-            view = view[n:]

@@ -1,50 +1,83 @@
-"""Tier folder scans that trust nothing they find: the one scan of a disk tier's folder.
+"""tiers/folder.py: a tier folder's names and its safe file operations, for a folder kvstrata
+does not control (L2, and even more a shared folder every host writes to).
 
-A tier folder (L2, and even more a shared folder every host writes to) is input kvstrata does not
-control. Anyone who can write there can plant symlinks into other folders, FIFOs that block an
-``open``, sockets, folders named like blocks, or files of other programs and other kvstrata
-versions. The rules, applied by ``scan_folder`` (start-up recovery, ``kvstrata check``, the
-shared tier's sweep) and ``scan_tails`` (tail markers, ``kvstrata check``):
+Anyone who can write there can plant symlinks into other folders, FIFOs that block an ``open``,
+sockets, folders named like blocks, or files of other programs and other kvstrata versions. So:
+never follow a symlink (``O_NOFOLLOW``, ``openat`` and ``unlinkat`` on folder descriptors), open
+only regular files, with ``O_NONBLOCK`` so that a FIFO opens at once (``open_regular``), and
+delete only regular files with kvstrata's own names (``scan``). The names, written and parsed
+here only::
 
-- never follow a symlink: folders are opened with ``O_NOFOLLOW | O_DIRECTORY`` and walked by
-  descriptor (``scandir(fd)``, ``openat``, ``unlinkat``), entries are classified with
-  ``follow_symlinks=False``, so a folder swapped for a link mid-scan is not entered either;
-- open only regular files, with ``O_NONBLOCK`` (a FIFO opens at once), then ``fstat``;
-- delete only regular files whose names kvstrata writes (``<key hex>.kvb`` in the shard of its
-  key, ``.<key hex>.<pid>.<n>.tmp``, ``<ntok>.<key hex>`` markers), only blocks of this format
-  version, and only if still the file examined (same inode);
-- everything else is left alone, and reported (``Found`` of kind ``skipped``).
+    blocks/ab/<key hex>.kvb                 a block (``block_name``)
+    blocks/ab/.<key hex>.<pid>.<n>.tmp      a write in progress (``temp_name``, ``parse_block_entry``)
+    tails/ab/<parent hex>/<ntok>.<key hex>  a partial block's marker (``marker_name``, ``parse_marker``)
+
+Also the folder's creation (``make_folder``, ``prepare_shards``, ``warn_if_open``), a write that
+reports the real error of a full disk (``write_all``) and the log of one (``FullDisk``).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import stat
+import threading
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
 
-from ..blockfmt import HEADER_SIZE, FormatError, payload_hasher, unpack_header
-from ..index import EntryMeta
+from ..metrics import Counters
+
+log = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
 OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_BLOCK_RE = re.compile(r"[0-9a-f]{32}\.kvb")
+SHARD_RE = re.compile(r"[0-9a-f]{2}")
+PARENT_RE = re.compile(r"[0-9a-f]{32}")
+_BLOCK_RE = re.compile(r"([0-9a-f]{32})\.kvb")
 _TEMP_RE = re.compile(r"\.([0-9a-f]{32})\.([1-9][0-9]{0,6})\.[0-9]{1,20}\.tmp")
-_PARENT_RE = re.compile(r"[0-9a-f]{32}")
 _MARKER_RE = re.compile(r"([0-9]{1,8})(?:\.([0-9a-f]{32}))?")
 _SHOWN = 80  # characters of a foreign name shown in messages
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full filesystem (or quota)
+
+
+# ------------------------------------------------------------------------------ names
+def block_name(key_hex: str) -> str:
+    return key_hex + SUFFIX
+
+
+def temp_name(key_hex: str, pid: int, n: int) -> str:
+    """The temp file a writer (``pid``, its ``n``-th write) fills before renaming it to the block."""
+    return f".{key_hex}.{pid}.{n}.tmp"
+
+
+def parse_block_entry(name: str) -> tuple[str, int | None] | None:
+    """An entry of a shard folder: ``(key hex, None)`` for a block's name, ``(key hex, writer
+    pid)`` for a temp file's, None for a name kvstrata does not write."""
+    if temp := _TEMP_RE.fullmatch(name):
+        return temp.group(1), int(temp.group(2))
+    if block := _BLOCK_RE.fullmatch(name):
+        return block.group(1), None
+    return None
+
+
+def marker_name(ntok: int, key: bytes) -> str:
+    return f"{ntok}.{key.hex()}"
+
+
+def parse_marker(name: str) -> tuple[int, str | None] | None:
+    """A tail marker's ``(ntok, key hex)``; the key is None in a bare ``<ntok>``, as older
+    versions wrote. None for anything else."""
+    m = _MARKER_RE.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 def marker_ntok(name: str) -> int | None:
-    """Token count of a tail marker's name (``<ntok>.<key hex>``, or a bare ``<ntok>`` as older
-    versions wrote); None for anything else."""
-    m = _MARKER_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
+    """Token count of a tail marker's name; None for anything else."""
+    parsed = parse_marker(name)
+    return parsed[0] if parsed else None
 
 
 def shown(name: str) -> str:
@@ -53,7 +86,8 @@ def shown(name: str) -> str:
     return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
-def _what(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a file of ``mode`` is, in words (for messages)."""
     for test, word in ((stat.S_ISLNK, "symbolic link"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
                        (stat.S_ISDIR, "folder"), (stat.S_ISREG, "file")):
         if test(mode):
@@ -68,7 +102,7 @@ def open_regular(name: str, dir_fd: int | None = None) -> tuple[int, os.stat_res
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise OSError(errno.EINVAL, f"a {_what(st.st_mode)}, not a regular file")
+        raise OSError(errno.EINVAL, f"a {kind_of(st.st_mode)}, not a regular file")
     return fd, st
 
 
@@ -94,220 +128,95 @@ def make_folder(path: Path | str, mode: int) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------ folder scan
-BLOCK, DAMAGED, OTHER_VERSION, TEMP, WRITING, SKIPPED, MARKER, ORPHAN = (
-    "block", "damaged", "other_version", "temp", "writing", "skipped", "marker", "orphan_marker")
+_warned_modes: set[str] = set()
 
 
-class Found(NamedTuple):
-    """One entry of a tier folder, as ``scan_folder`` or ``scan_tails`` classified it.
-
-    ``kind``: ``block`` (servable, ``meta`` set), ``damaged`` (a kvstrata block of this format
-    that can never be served), ``other_version`` (a well-formed block of another format version:
-    left alone), ``temp`` (a dead writer's leftover), ``writing`` (a write in progress),
-    ``skipped`` (not a regular file kvstrata writes: a symlink, FIFO, socket, folder or foreign
-    file; left alone), ``marker`` / ``orphan_marker`` (tail markers whose block is there / gone).
-    ``why`` says what is wrong; ``removed``: whether this scan deleted it."""
-
-    kind: str
-    path: str
-    meta: EntryMeta | None = None
-    size: int = 0
-    mtime: float = 0.0
-    why: str = ""
-    removed: bool = False
+def warn_if_open(root: Path, open_bits: int, label: str) -> None:
+    """An existing tier root keeps its mode (it is the owner's choice, never changed); warn, once
+    per process, if ``open_bits`` of it let users other than its owner write there."""
+    mode = stat.S_IMODE(os.stat(root).st_mode)
+    if mode & open_bits and str(root) not in _warned_modes:
+        _warned_modes.add(str(root))
+        log.warning("kvstrata %s: %s has mode %s: other users can write there, and whoever writes there "
+                    "decides which KV this engine serves; kvstrata leaves the mode of a folder it did not "
+                    "create as it is (give it mode 0700, or let kvstrata create a new folder)",
+                    label, root, oct(mode))
 
 
-def _skipped(folder: str, entry: os.DirEntry, named_like_ours: bool) -> Found:
+def prepare_shards(top: Path, dir_mode: int, label: str) -> set[str]:
+    """Create ``top`` and its 256 shards (tolerating concurrent creators); the shards that are
+    not real folders (a planted symlink, a file) are returned (``<top name>/<shard>``), never to
+    be used."""
+    make_folder(top, dir_mode)
     try:
-        what = _what(entry.stat(follow_symlinks=False).st_mode)
-    except OSError:
-        what = "entry"
-    why = (f"a {what} named like a kvstrata entry, not a regular file of its own: never followed, "
-           "opened or deleted" if named_like_ours else f"a {what} kvstrata does not write: left alone")
-    return Found(SKIPPED, f"{folder}/{shown(entry.name)}", why=why)
+        present = {e.name: e for e in os.scandir(top) if e.name in SHARDS}
+    except OSError:  # not a folder, or a dangling link: found out just below
+        present = {}
+    if not stat.S_ISDIR(os.lstat(top).st_mode):
+        log.warning("kvstrata %s: %s is not a real folder; this tier stores nothing", label, top)
+        return {f"{top.name}/{s}" for s in SHARDS}
+    bad = set()
+    for shard in SHARDS:
+        entry = present.get(shard)
+        if entry is None:
+            make_folder(top / shard, dir_mode)
+        elif not entry.is_dir(follow_symlinks=False):
+            bad.add(f"{top.name}/{shard}")
+    if bad:
+        log.warning("kvstrata %s: %d shard folders under %s are not real folders (e.g. symlinks) and are "
+                    "not used; blocks hashed to them are not stored: %s", label, len(bad), top,
+                    ", ".join(sorted(bad)[:8]))
+    return bad
 
 
-def _subfolders(folder: str, pattern: re.Pattern[str], parent_fd: int | None,
-                prefix: str = "") -> Iterator[tuple[str, int] | Found]:
-    """Open each real subfolder of ``folder`` whose name matches ``pattern`` (and starts with
-    ``prefix``), never through a symlink; yields ``(name, fd)`` (closed when the caller asks for
-    the next one) or a ``skipped`` Found for everything else."""
-    with os.scandir(parent_fd if parent_fd is not None else folder) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for entry in entries:
-        if not (pattern.fullmatch(entry.name) and entry.name.startswith(prefix)
-                and entry.is_dir(follow_symlinks=False)):
-            yield _skipped(folder, entry, bool(pattern.fullmatch(entry.name)))
-            continue
-        try:
-            fd = os.open(entry.name, OPEN_DIR, dir_fd=parent_fd)
-        except OSError as e:  # replaced by a symlink meanwhile (ELOOP), or gone
-            yield Found(SKIPPED, f"{folder}/{shown(entry.name)}", why=f"cannot open safely: {e.strerror}")
-            continue
-        try:
-            yield entry.name, fd
-        finally:
-            os.close(fd)
-
-
-def _shards(root: Path | str, name: str) -> Iterator[tuple[str, str, int] | Found]:
-    """Each real shard folder of ``root/name`` as ``(path, shard, fd)`` (the fd is closed when the
-    caller asks for the next one), or a ``skipped`` Found: ``root/name`` itself a symlink or not a
-    folder, or an entry of it that is not a shard folder. Nothing if ``root/name`` is missing."""
-    top_path = os.path.join(root, name)
-    try:
-        top = os.open(top_path, OPEN_DIR)
-    except FileNotFoundError:
+def write_all(fd: int, bufs: list[bytes | memoryview], total: int) -> None:
+    """Write ``bufs`` at offset 0 with one ``pwritev``. A nearly full disk returns a short count
+    before it fails with ENOSPC: the rest is then written on, so the caller sees the real error."""
+    done = os.pwritev(fd, bufs, 0)
+    if done == total:
         return
-    except OSError as e:  # a symlink (ELOOP) or not a folder: never scanned through
-        yield Found(SKIPPED, top_path, why=f"not a real folder ({e.strerror}): not scanned")
-        return
-    try:
-        for item in _subfolders(top_path, _SHARD_RE, top):
-            yield item if isinstance(item, Found) else (f"{top_path}/{item[0]}", item[0], item[1])
-    finally:
-        os.close(top)
-
-
-def scan_folder(root: Path | str, *, fix: bool, stale_temp: Callable[[int, float], bool],
-                verify: bool = False) -> Iterator[Found]:
-    """Every entry of ``root/blocks``, classified; the one scan of a tier folder (start-up
-    recovery, ``kvstrata check``, the shared tier's sweep).
-
-    Never follows a symlink and opens only regular files (non-blocking). Each block file's header
-    is parsed and checked against the file's name and size; with ``verify`` its payload checksum
-    too. With ``fix``, deletes only regular files with kvstrata's names: ``damaged`` blocks of
-    this format version, and ``temp`` files for which ``stale_temp(pid, mtime)`` holds."""
-    for item in _shards(root, "blocks"):
-        if isinstance(item, Found):
-            yield item
-        else:
-            yield from _scan_shard(*item, fix, stale_temp, verify)
-
-
-def _scan_shard(folder: str, shard: str, dir_fd: int, fix: bool,
-                stale_temp: Callable[[int, float], bool], verify: bool) -> Iterator[Found]:
-    with os.scandir(dir_fd) as it:
-        entries = list(it)
-    for entry in entries:
-        name = entry.name
-        temp = _TEMP_RE.fullmatch(name)
-        key_hex = temp.group(1) if temp else name if _BLOCK_RE.fullmatch(name) else None
-        if key_hex is None or not key_hex.startswith(shard) or not entry.is_file(follow_symlinks=False):
-            yield _skipped(folder, entry, key_hex is not None)
+    skip, offset = done, done
+    for buf in bufs:
+        view = memoryview(buf).cast("B")
+        if skip >= len(view):
+            skip -= len(view)
             continue
-        path = f"{folder}/{name}"
-        if temp:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            stale = stale_temp(int(temp.group(2)), st.st_mtime)
-            removed = fix and stale and _unlink_same(name, dir_fd, st)
-            yield Found(TEMP if stale else WRITING, path, size=st.st_size, mtime=st.st_mtime, removed=removed)
-            continue
-        try:
-            fd, st = open_regular(name, dir_fd)
-        except FileNotFoundError:
-            continue
-        except OSError as e:  # replaced by a symlink (ELOOP) or a FIFO meanwhile
-            yield Found(SKIPPED, path, why=f"cannot open safely: {e.strerror}")
-            continue
-        try:
-            found = _examine(fd, st, name, path, verify)
-        finally:
-            os.close(fd)
-        if found.kind == DAMAGED and fix:
-            found = found._replace(removed=_unlink_same(name, dir_fd, st))
-        yield found
+        view, skip = view[skip:], 0
+        while len(view):
+            n = os.pwrite(fd, view, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write at offset {offset}")
+            offset += n
+            view = view[n:]
 
 
-def _examine(fd: int, st: os.stat_result, name: str, path: str, verify: bool) -> Found:
-    """A block file's header (and payload, with ``verify``) checked against its name and size."""
-    found = Found(BLOCK, path, size=st.st_size, mtime=st.st_mtime)
-    try:
-        meta = unpack_header(os.pread(fd, HEADER_SIZE, 0), path)
-    except FormatError as e:
-        return found._replace(kind=DAMAGED if e.corrupt else OTHER_VERSION, why=str(e).removeprefix(f"{path}: "))
-    except OSError as e:
-        return found._replace(kind=SKIPPED, why=f"unreadable: {e.strerror}")
-    if st.st_size != HEADER_SIZE + meta.size:
-        why = f"size {st.st_size - HEADER_SIZE} bytes, header says {meta.size}"
-    elif name != meta.key.hex() + SUFFIX:
-        why = "file name does not match the key in its header"
-    elif verify and _payload_checksum(fd, meta.size) != meta.checksum:
-        why = "payload checksum mismatch"
-    else:
-        return found._replace(meta=meta)
-    return found._replace(kind=DAMAGED, why=why)
+class FullDisk:
+    """A full filesystem (ENOSPC, EDQUOT) is logged once per burst, not once per block: the first
+    dropped block names the folder; the first write that succeeds afterwards says how much was
+    dropped meanwhile. Every drop is counted (``<tier>_full_drops``)."""
 
+    def __init__(self, label: str, folder: Path, counters: Counters, counter: str) -> None:
+        self._label, self._folder, self._counters, self._counter = label, folder, counters, counter
+        self._lock = threading.Lock()
+        self._blocks = self._bytes = 0
 
-def _payload_checksum(fd: int, size: int, chunk: int = 8 << 20) -> int:
-    h = payload_hasher()
-    offset, end = HEADER_SIZE, HEADER_SIZE + size
-    while offset < end:
-        data = os.pread(fd, min(chunk, end - offset), offset)
-        if not data:
-            break
-        h.update(data)
-        offset += len(data)
-    return h.intdigest()
+    def dropped(self, err: OSError, path: str, size: int) -> None:
+        self._counters.inc(self._counter)
+        with self._lock:
+            first = self._blocks == 0
+            self._blocks += 1
+            self._bytes += size
+        if first:
+            log.warning("kvstrata %s: %s is full (%s): block %s (%d bytes) was not saved, nor will be any "
+                        "block until space returns; requests are served and recompute what is missing",
+                        self._label, self._folder, os.strerror(err.errno), os.path.basename(path), size)
 
-
-def _unlink_same(name: str, dir_fd: int, seen: os.stat_result) -> bool:
-    """Delete ``name`` in ``dir_fd`` only if it is still the regular file that was examined (a
-    writer may have published a fresh copy under the name since)."""
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode) or (st.st_ino, st.st_dev) != (seen.st_ino, seen.st_dev):
-            return False
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        return False
-    return True
-
-
-def scan_tails(root: Path | str, *, fix: bool, is_orphan: Callable[[str, int, str | None], bool]) -> Iterator[Found]:
-    """Every entry of ``root/tails``: markers (``marker`` / ``orphan_marker`` per
-    ``is_orphan(parent hex, ntok, key hex or None)``) and ``skipped`` entries. With ``fix``,
-    orphan markers are deleted, then their parent folder if it is empty. Same rules as
-    ``scan_folder``: no symlink followed, only kvstrata's names touched."""
-    for item in _shards(root, "tails"):
-        if isinstance(item, Found):
-            yield item
-            continue
-        folder, shard, shard_fd = item
-        for sub in _subfolders(folder, _PARENT_RE, shard_fd, shard):
-            if isinstance(sub, Found):
-                yield sub
-                continue
-            parent, fd = sub
-            yield from _scan_markers(f"{folder}/{parent}", parent, fd, fix, is_orphan)
-            if fix:
-                try:
-                    os.rmdir(parent, dir_fd=shard_fd)  # only if empty
-                except OSError:
-                    pass
-
-
-def _scan_markers(folder: str, parent: str, dir_fd: int, fix: bool,
-                  is_orphan: Callable[[str, int, str | None], bool]) -> Iterator[Found]:
-    with os.scandir(dir_fd) as it:
-        entries = list(it)
-    for entry in entries:
-        m = _MARKER_RE.fullmatch(entry.name)
-        if not m or not entry.is_file(follow_symlinks=False):
-            yield _skipped(folder, entry, bool(m))
-            continue
-        path = f"{folder}/{entry.name}"
-        if not is_orphan(parent, int(m.group(1)), m.group(2)):
-            yield Found(MARKER, path)
-            continue
-        removed = False
-        if fix:
-            try:
-                removed = _unlink_same(entry.name, dir_fd, entry.stat(follow_symlinks=False))
-            except OSError:
-                pass
-        yield Found(ORPHAN, path, why="its block is gone", removed=removed)
+    def resumed(self) -> None:
+        if not self._blocks:  # the common case: no lock
+            return
+        with self._lock:
+            blocks, size = self._blocks, self._bytes
+            self._blocks = self._bytes = 0
+        if blocks:
+            log.warning("kvstrata %s: space is back in %s: saving again (%d blocks, %d bytes were dropped "
+                        "while it was full)", self._label, self._folder, blocks, size)

@@ -1,212 +1,38 @@
-"""L1: one preallocated CPU arena of fixed-size slots (pinned when CUDA is present).
+"""tiers/memory.py: L1, ``MemoryTier``: fixed-size slots in one preallocated CPU arena.
 
-The arena is a single ``[num_slots, slot_bytes]`` uint8 tensor, allocated on first use once the
-block size is known (the OS only backs pages that are touched). A slot table maps keys to slots;
-eviction is the store's decision (index LRU, pins respected), so ``write`` fails when no slot is
-free. Reads are plain copies: the bytes never left this process, so no checksum is needed. Copies go
+The arena is a single ``[num_slots, slot_bytes]`` uint8 tensor, allocated on first use, once the
+block size is known: private memory (page-locked when CUDA is present and ``l1.pin_memory``), or a
+shared file (``arena``) that the engine's worker processes map to copy blocks straight into and out
+of slots. A private, unpinned arena's pages are backed by the OS as they are first touched; a pinned
+one is backed in full at allocation, and a shared one when its file is created.
+
+A slot table maps keys to slots; eviction is the store's decision (index LRU, pins respected), so
+``write`` fails when no slot is free. Reads are plain copies, with no checksum: the arena is memory
+of this host that only this store and, through a shared arena (a 0600 file), the engine's own
+workers write; the checksum guards the bytes that went to a disk or over a network. Copies go
 through numpy (a single-threaded memcpy per row, one scatter for a batch): torch's CPU copies use
 its intra-op thread pool, which collapses when the engine's own threads load every core.
+
+``reserve`` / ``copy_in`` / ``publish`` (or ``release``) and ``slots_of`` / ``copy_out`` are the
+batched paths: one scatter or a row copy per block for a whole run, and slots handed to the engine's
+workers to fill or read themselves.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import mmap
-import os
-import re
-import stat
 import threading
-import time
 from typing import Iterator, Sequence
 
 import torch
 
 from ..index import EntryMeta
 from ..metrics import Counters
-from .base import BlockTier, pid_alive
+from .arena import Prefaulter, create_shared_arena, release_shared_arena
+from .arena import attach_shared_arena, remove_dead_arenas  # noqa: F401  # old path, until adapters.vllm imports .arena
+from .base import BlockTier
 
 log = logging.getLogger(__name__)
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python < 3.13 lacks the name
-ARENA_GRACE_S = 10.0  # an arena younger than this is never removed (its creator may not hold its lock yet)
-_ARENA_RE = re.compile(r"kvstrata-([1-9][0-9]{0,6})-[0-9a-f]{8}")
-_arena_locks: dict[str, int] = {}  # path -> fd holding the flock of an arena this process created
-_arena_locks_guard = threading.Lock()
-
-
-def create_shared_arena(path: str, num_slots: int, slot_bytes: int) -> tuple[torch.Tensor, "Prefaulter"]:
-    """A file-backed arena other processes on this host can map (the engine's worker does).
-
-    The file's pages are allocated up front (``posix_fallocate``): a full tmpfs (``/dev/shm`` by
-    default) then fails here with a clear message instead of killing the process with SIGBUS on a
-    later write, and no block copy pays for allocating and zeroing pages.
-
-    The creating process holds an exclusive ``flock`` on the file until ``release_shared_arena``
-    (the kernel drops it when the process ends, however it ends): that lock, not the pid in the
-    name, is what tells ``remove_dead_arenas`` in another process that the arena is alive (that
-    process may be in another PID namespace sharing the folder, where the pid means nothing).
-    """
-    size = num_slots * slot_bytes
-    folder = os.path.dirname(path) or "."
-    st = os.statvfs(folder)
-    free = st.f_bavail * st.f_frsize
-    if size > free:
-        raise ValueError(f"l1.size: the shared L1 arena needs {size} bytes but {folder} has only "
-                         f"{free} free; lower l1.size or enlarge {folder}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        os.close(fd)
-        os.unlink(path)
-        raise ValueError(f"l1.size: cannot allocate the {size}-byte shared L1 arena in {folder}: {e}; "
-                         f"lower l1.size or enlarge {folder}") from None
-    with _arena_locks_guard:
-        _arena_locks[path] = fd
-    return attach_shared_arena(path, num_slots, slot_bytes)
-
-
-def release_shared_arena(path: str) -> None:
-    """Unlink an arena this process created and drop its lock (mappings stay valid until their
-    processes drop them). Idempotent."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    with _arena_locks_guard:
-        fd = _arena_locks.pop(path, None)
-    if fd is not None:
-        os.close(fd)
-
-
-def remove_dead_arenas(folder: str) -> list[str]:
-    """Delete the arenas in ``folder`` (``kvstrata-<pid>-<hex>``) whose creator is gone, and
-    return their names. A file in /dev/shm lives until deleted, and holds its memory until then.
-
-    An arena is removed only if all of these hold: it is a regular file (nothing is followed);
-    it is older than ``ARENA_GRACE_S``; the pid in its name is not alive here; and its creator's
-    lock can be taken, i.e. no process anywhere holds it (a live peer in another PID namespace
-    sharing the folder does, whatever its pid looks like here). The lock is held while unlinking."""
-    removed: list[str] = []
-    try:
-        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return removed
-    try:
-        with os.scandir(dfd) as it:
-            entries = [e for e in it if _ARENA_RE.fullmatch(e.name)]
-        for entry in entries:
-            if _dead_arena(entry, dfd):
-                removed.append(entry.name)
-    finally:
-        os.close(dfd)
-    return removed
-
-
-def _dead_arena(entry: os.DirEntry, dfd: int) -> bool:
-    pid = int(entry.name.split("-")[1])
-    try:
-        st = entry.stat(follow_symlinks=False)
-    except OSError:
-        return False
-    if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < ARENA_GRACE_S or pid_alive(pid):
-        return False
-    try:
-        fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    except OSError:
-        return False
-    try:
-        now = os.fstat(fd)
-        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):  # replaced since it was listed
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its creator is alive, wherever it runs
-            return False
-        os.unlink(entry.name, dir_fd=dfd)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def attach_shared_arena(path: str, num_slots: int, slot_bytes: int) -> tuple[torch.Tensor, "Prefaulter"]:
-    """Map an arena created by ``create_shared_arena`` (possibly in another process).
-
-    Returns the ``[num_slots, slot_bytes]`` tensor and the mapping's ``Prefaulter``: call its
-    ``ahead_of(offset)`` as slots get used, so that pages are mapped before the copies touch them.
-    """
-    size = num_slots * slot_bytes
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-    tensor = torch.frombuffer(mm, dtype=torch.uint8).view(num_slots, slot_bytes)  # holds a reference to mm
-    return tensor, Prefaulter(mm, size)
-
-
-class Prefaulter:
-    """Maps an arena's pages into this process ahead of use, on a background thread.
-
-    A copy into a freshly mapped page takes a page fault per 4 KiB: an 18 MB disk hit staged into
-    an untouched part of the arena took 17-22 ms instead of 4. ``MADV_POPULATE_WRITE`` maps pages
-    without touching their bytes (a few MiB per call, so the GIL is never held long), but only
-    ``AHEAD`` bytes beyond the highest slot in use: populating a whole multi-GiB arena at start-up
-    competes with the engine for the CPU for seconds. Slots are handed out lowest first.
-
-    The mapped range is topped up only once less than half of ``AHEAD`` is left, and the thread
-    runs at the lowest CPU priority: topping up a little on every new slot put the population of
-    each hit's worth of pages (in the store's mapping and the worker's) inside that very request,
-    18,000 page faults competing with it for the two cores here.
-    """
-
-    AHEAD = 256 << 20
-    CHUNK = 2 << 20
-
-    def __init__(self, mm: mmap.mmap, size: int) -> None:
-        self._mm, self._size = mm, size
-        self._lock = threading.Lock()
-        self._target = self._done = 0
-        self._running = False
-        self.ahead_of(0)
-
-    def ahead_of(self, offset: int) -> None:
-        if self._target >= self._size or self._target - offset > self.AHEAD // 2:
-            return  # the common case: enough is mapped ahead; no lock
-        want = min(self._size, offset + self.AHEAD)
-        with self._lock:
-            self._target = max(self._target, want)
-            if self._running:
-                return
-            self._running = True
-        threading.Thread(target=self._run, name="kvstrata-l1-prefault", daemon=True).start()
-
-    def _run(self) -> None:
-        try:  # Linux: a thread id sets that thread's niceness only
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            with self._lock:
-                if self._done >= self._target:
-                    self._running = False  # the thread ends: nothing keeps the mapping alive
-                    return
-                lo, hi = self._done, min(self._done + self.CHUNK, self._target)
-            try:
-                self._mm.madvise(MADV_POPULATE_WRITE, lo, hi - lo)
-            except (OSError, ValueError) as e:  # kernel < 5.14 (EINVAL), map closed: fault on use
-                log.debug("kvstrata L1: arena not prefaulted: %s", e)
-                with self._lock:
-                    self._done = self._target = self._size
-                    self._running = False
-                return
-            with self._lock:
-                self._done = hi
-            time.sleep(0)  # let the engine's threads run between chunks
 
 
 def _is_rows(t: Sequence[torch.Tensor] | torch.Tensor, size: int, slot_bytes: int) -> bool:
@@ -218,7 +44,6 @@ def _is_rows(t: Sequence[torch.Tensor] | torch.Tensor, size: int, slot_bytes: in
 class MemoryTier(BlockTier):
     name = "l1"
     bit = 1
-    verifies = False
 
     def __init__(self, counters: Counters, capacity: int, slot_bytes: int = 0, pin: bool = True,
                  shared_path: str | None = None) -> None:
@@ -248,12 +73,6 @@ class MemoryTier(BlockTier):
     @property
     def num_slots(self) -> int:
         return 0 if self.data is None else self.data.shape[0]
-
-    def has_room(self, size: int) -> bool:
-        with self._lock:
-            if self.data is None:
-                return size <= self._capacity
-            return bool(self._free) and size <= self.slot_bytes
 
     def fits(self, size: int) -> bool:
         """Whether a block of ``size`` bytes can ever live here."""
@@ -304,8 +123,9 @@ class MemoryTier(BlockTier):
             self._prefault.ahead_of((max(slots) + 1) * self.slot_bytes)
 
     def copy_in(self, slots: list[int], payloads: Sequence[torch.Tensor] | torch.Tensor, size: int) -> None:
-        """Row i of ``payloads`` (uint8, >= ``size`` bytes) goes to ``slots[i]``."""
-        assert self.data is not None
+        """Row i of ``payloads`` (uint8, >= ``size`` bytes) goes to ``slots[i]`` (from ``reserve``)."""
+        if self.data is None:
+            raise RuntimeError("L1 copy_in before any slot was reserved: the arena is not allocated yet")
         dst = self.data.numpy()
         if _is_rows(payloads, size, self.slot_bytes):
             dst[slots] = payloads.numpy()  # type: ignore[union-attr]  # one batched scatter
@@ -332,7 +152,8 @@ class MemoryTier(BlockTier):
 
     def copy_out(self, slots: list[int], out: Sequence[torch.Tensor] | torch.Tensor, size: int) -> None:
         """Gather ``slots`` into the first ``len(slots)`` rows of ``out`` (``[n, >= size]``)."""
-        assert self.data is not None
+        if self.data is None:
+            raise RuntimeError("L1 copy_out before any block was stored: the arena is not allocated yet")
         src = self.data.numpy()
         for i, slot in enumerate(slots):  # numpy row copies: memcpy speed, no thread pool
             out[i][:size].numpy()[:] = src[slot, :size]

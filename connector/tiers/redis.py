@@ -1,4 +1,5 @@
-"""L3 on Redis or Valkey (standalone or Cluster): blocks shared by every instance, and the epochs.
+"""tiers/redis.py: L3 on Redis or Valkey (standalone or Cluster), ``RedisTier``: blocks shared by
+every instance. Its epochs are ``redis_epochs``; the client and value reporting ``redis_client``.
 
 Keys (``P`` is ``remote.key_prefix``; ``{hex}`` is a Cluster hash tag, so a block's keys share a
 slot and a node):
@@ -12,8 +13,8 @@ Publication writes the payload, then the index entry, in that order on one conne
 slot's node (a hash tag puts both in one slot), so Redis applies them in order: the index entry's
 SET is the commit. Readers only follow index entries, so they never see a block without its
 payload; a writer that dies between the two leaves an invisible payload that LRU reclaims. We do
-not wrap the pair in MULTI/EXEC: it adds no safety for readers that follow index entries, and
-measured here it halved write throughput (0.43 vs 0.81 of raw pipelined SETs). If Redis's own
+not wrap the pair in MULTI/EXEC: it adds no safety for readers that follow index entries, and it
+costs write throughput. If Redis's own
 eviction (``allkeys-lru``) drops a payload, the read is a miss, never an error.
 
 Nothing read from Redis is trusted: any host that can write there can put anything under these
@@ -26,7 +27,7 @@ counted by kind and logged (at most once a minute per kind, values cut to 80 cha
     remote_wrong_type    the key holds a hash, list, ... instead of a string
     remote_bad_tails     a member of a tail set that is not a token count
     checksum_failures    payload bytes that do not match the header's checksum
-    remote_bad_epochs, remote_bad_messages, remote_unstable_epochs: see ``RedisEpochs``
+    remote_bad_epochs, remote_bad_messages, remote_unstable_epochs: see ``redis_epochs``
 
 A bad block value is deleted (both keys: the next save of that block publishes it again); a bad
 index entry is left for that next save to overwrite. A key of the wrong type reads as absent
@@ -42,88 +43,24 @@ takes client and network errors only; a bug raises.
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from ..blockfmt import HEADER_SIZE, FormatError, pack_header, payload_checksum, unpack_header
-from ..breaker import Breaker
+from ..blockfmt import HEADER_SIZE, FormatError, pack_header, unpack_header, verify_block
 from ..config import RemoteConfig
-from ..epochs import EpochStore, Retired, new_generation, parse_generation
 from ..index import EntryMeta
 from ..metrics import Counters
 from .base import BlockTier
-
-log = logging.getLogger(__name__)
+from .breaker import Breaker
+from .redis_client import Rejections, connect, is_wrong_type, protocol_error, service_errors, shown
 
 _MAX_TAILS = 1024  # tail lengths read per parent: a set bloated by someone costs one bounded reply
 _MAX_TAIL_TOKENS = 1 << 24  # blockfmt's bound on a block's token count
-_EPOCH_BYTES = 64  # a generation is at most 20 digits; read no more than this of an epoch value
-_WARN_EVERY_S = 60.0
-
-
-def connect(cfg: RemoteConfig, blocking: bool = False) -> Any:
-    """A redis-py client (Cluster-aware when ``cluster``) with the configured timeouts, or
-    without a read timeout for a long-lived subscriber (``blocking``)."""
-    import redis
-    from redis.cluster import RedisCluster
-
-    timeout = cfg.timeout_ms / 1000
-    kwargs: dict[str, Any] = dict(socket_timeout=None if blocking else timeout, socket_connect_timeout=timeout)
-    if cfg.tls_ca is not None:
-        kwargs["ssl_ca_certs"] = str(cfg.tls_ca)
-    if cfg.cluster:
-        return RedisCluster.from_url(cfg.url, **kwargs)
-    return redis.Redis.from_url(cfg.url, retry_on_timeout=False, **kwargs)
-
-
-def service_errors() -> tuple[type[BaseException], ...]:
-    """What a Redis call raises when the service (not kvstrata) fails: client, protocol, Cluster
-    routing and socket errors. The breaker turns these into misses; anything else is a bug."""
-    import redis
-    from redis.exceptions import RedisClusterException
-
-    return (redis.RedisError, RedisClusterException, OSError)
-
-
-def is_wrong_type(err: BaseException) -> bool:
-    """Whether a Redis error says the key holds another type (a hash where a string belongs)."""
-    import redis
-
-    return isinstance(err, redis.ResponseError) and str(err).startswith("WRONGTYPE")
-
-
-def shown(value: object) -> str:
-    """``value`` for a log line: its repr cut to 80 characters, with its length if it was cut."""
-    text = repr(bytes(value[:80]) if isinstance(value, (bytes, bytearray, memoryview)) else value)
-    if len(text) <= 80:
-        return text
-    size = f" ({len(value)} bytes)" if isinstance(value, (bytes, bytearray, memoryview)) else ""
-    return f"{text[:77]}...{size}"
-
-
-class Rejections:
-    """Counts rejected values by kind and logs them: a warning for the first of each kind in a
-    minute, debug lines for the rest (a flood of bad values must not flood the log)."""
-
-    def __init__(self, counters: Counters) -> None:
-        self._counters = counters
-        self._lock = threading.Lock()
-        self._warned: dict[str, float] = {}
-
-    def __call__(self, counter: str, message: str, *args: object) -> None:
-        self._counters.inc(counter)
-        now = time.monotonic()
-        with self._lock:
-            loud = now - self._warned.get(counter, -_WARN_EVERY_S) >= _WARN_EVERY_S
-            if loud:
-                self._warned[counter] = now
-        log.log(logging.WARNING if loud else logging.DEBUG, "kvstrata remote: " + message + " (%s)", *args, counter)
+_COUNTERS = {"bad_header": "remote_bad_headers", "wrong_key": "remote_wrong_key",  # blockfmt.Mismatch kinds
+             "wrong_size": "remote_wrong_size", "checksum": "checksum_failures"}
 
 
 class RedisTier(BlockTier):
@@ -145,7 +82,7 @@ class RedisTier(BlockTier):
     def _mget(self, names: list[str]) -> list[object]:
         values = self.client.mget_nonatomic(names) if self._cfg.cluster else self.client.mget(names)
         if len(values) != len(names):  # never pair a value with the wrong name
-            raise _protocol_error(f"MGET of {len(names)} keys returned {len(values)} values")
+            raise protocol_error(f"MGET of {len(names)} keys returned {len(values)} values")
         return values
 
     # ------------------------------------------------------------------ lookup
@@ -221,49 +158,30 @@ class RedisTier(BlockTier):
             if value is None:
                 self._missing(meta)
                 return i
-            problem = self._verify(meta, value, out)
+            problem = self._check(meta, value, out)
             if problem is not None:
-                counter, message, args, damaged = problem
-                self.reject(counter, "dropping block %s: " + message, meta.key.hex(), *args)
+                counter, why, damaged = problem
+                self.reject(counter, "dropping block %s: %s", meta.key.hex(), why)
                 if damaged:
                     self.delete(meta.key)
                 return i
-            assert isinstance(value, bytes)
+            assert isinstance(value, bytes)  # _check said so
             out.numpy()[:] = np.frombuffer(value, np.uint8, meta.size, HEADER_SIZE)
             self.counters.inc("remote_bytes_read", meta.size)
         return len(metas)
 
-    def _verify(self, meta: EntryMeta, value: object,
-                out: torch.Tensor) -> tuple[str, str, tuple[object, ...], bool] | None:
-        """Why ``value`` (read under ``meta.key``) cannot fill ``out``: (counter, message, args,
-        whether the value is damaged and should go), or None when it is the block, intact."""
+    @staticmethod
+    def _check(meta: EntryMeta, value: object, out: torch.Tensor) -> tuple[str, str, bool] | None:
+        """Why ``value`` (read under ``meta.key``) cannot fill ``out``: (counter, why, whether the
+        value is damaged and should go), or None when it is the block, intact."""
         if not isinstance(value, bytes):
-            return "remote_wrong_type", "the value is a %s", (type(value).__name__,), True
+            return "remote_wrong_type", f"the value is a {type(value).__name__}", True
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != meta.size:
-            return ("remote_wrong_size", "its header says %d bytes, the destination holds %d",
-                    (meta.size, out.numel() * out.element_size()), True)
-        if len(value) < HEADER_SIZE:
-            return ("remote_bad_headers", "%d bytes, shorter than a header: %s",
-                    (len(value), shown(value)), True)
-        if not meta.checksum or value[:HEADER_SIZE] != pack_header(meta):
-            try:
-                stored = unpack_header(value[:HEADER_SIZE], f"redis block {meta.key.hex()}")
-            except FormatError as e:
-                return "remote_bad_headers", "%s", (e,), e.corrupt  # another format version: not ours to delete
-            if (stored.key, stored.parent, stored.ns_seed, stored.epoch, stored.fp, stored.ntok, stored.tail) != (
-                    meta.key, meta.parent, meta.ns_seed, meta.epoch, meta.fp, meta.ntok, meta.tail):
-                return ("remote_wrong_key", "the value holds block %s (parent %s)",
-                        (stored.key.hex(), stored.parent.hex()), True)
-            if stored.size != meta.size:
-                return ("remote_wrong_size", "its value's header says %d bytes, the index entry %d",
-                        (stored.size, meta.size), True)
-            meta = stored  # the same block, possibly written again by another host (its own checksum)
-        if len(value) != HEADER_SIZE + meta.size:
-            return ("remote_wrong_size", "the value holds %d payload bytes, its header says %d",
-                    (len(value) - HEADER_SIZE, meta.size), True)
-        if payload_checksum(memoryview(value)[HEADER_SIZE:]) != meta.checksum:
-            return "checksum_failures", "payload checksum mismatch", (), True
-        return None
+            return ("remote_wrong_size", f"its header says {meta.size} bytes, the destination holds "
+                    f"{out.numel() * out.element_size()}", True)
+        bad = verify_block(meta, value[:HEADER_SIZE], len(value) - HEADER_SIZE, [memoryview(value)[HEADER_SIZE:]],
+                           f"redis block {meta.key.hex()}")
+        return None if bad is None else (_COUNTERS[bad.kind], bad.why, bad.corrupt)
 
     def _missing(self, meta: EntryMeta) -> None:
         """A payload MGET returned nothing for: evicted (a plain miss), or a key of another type
@@ -333,8 +251,7 @@ class RedisTier(BlockTier):
 
     def _staging(self, nbytes: int) -> bytearray:
         """A per-thread buffer for header + payload values, reused across calls: a fresh bytes
-        object per block would be mmap'ed and page-faulted by malloc every time (measured: it
-        halved throughput against raw SETs of ready-made values)."""
+        object per block would be mmap'ed and page-faulted by malloc every time."""
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
             buf = self._local.buf = bytearray(nbytes)
@@ -374,194 +291,3 @@ class RedisTier(BlockTier):
             self.client.close()
         except Exception:  # closing a dead connection is not an error worth reporting
             pass
-
-
-def _protocol_error(message: str) -> Exception:
-    import redis
-
-    return redis.exceptions.InvalidResponse(message)
-
-
-class RedisEpochs(EpochStore):
-    """Namespace generations in Redis (see ``epochs``): ``SET NX`` creates, ``SET`` bumps, and a
-    PUBLISH tells every instance to re-read at once.
-
-    The value is the generation as decimal text. A missing key (evicted, lost in a restart,
-    flushed) is lost state: the first reader creates a fresh generation with ``SET NX`` and every
-    instance reads the winner, so older blocks become misses, never valid again. A value that is
-    not a generation (garbage, out of range, over 64 bytes: only its first 64 are ever read), a key
-    of another type, or a generation this instance (or its disk, the local floor) has seen replaced
-    is replaced by a fresh generation with a compare-and-set, and counted (``remote_bad_epochs``,
-    ``remote_wrong_type``, ``remote_epoch_rollbacks``). A value that changes under every repair
-    gives no generation (``remote_unstable_epochs``): the last known one is kept, as while Redis
-    is unreachable. Announcements carry only the namespace: they make the next ``get`` re-read
-    Redis, so a forged or delayed message can cost a round trip but never set a generation
-    (``remote_bad_messages`` counts those that name no namespace). ``get`` also re-reads a
-    namespace whose value is older than ``invalidation_ms``, which covers a missed message. While
-    Redis is unreachable the last known generation is used; a namespace never read gets a
-    process-local one (misses, and saves nobody else can see).
-    """
-
-    # Replace the value only if it still begins with what we read: two instances that both found
-    # it bad agree on one new generation.
-    _CAS = ("if redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1) == ARGV[1] then "
-            "return redis.call('SET', KEYS[1], ARGV[2]) end return 0")
-    # Replace a key of another type only if it still has that type (SET replaces any type).
-    _RETYPE = ("if redis.call('TYPE', KEYS[1]).ok == ARGV[1] then "
-               "return redis.call('SET', KEYS[1], ARGV[2]) end return 0")
-
-    def __init__(self, tier: RedisTier, cfg: RemoteConfig, floor: Path | None = None) -> None:
-        self._tier, self._cfg = tier, cfg
-        self._lock = threading.Lock()
-        self._known: dict[bytes, tuple[int, float]] = {}
-        self.retired = Retired(floor)
-        self._channel = f"{cfg.key_prefix}:epochs"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._listen, name="kvstrata-epochs", daemon=True)
-        self._thread.start()
-
-    def _key(self, ns_seed: bytes) -> str:
-        return f"{self._cfg.key_prefix}:epoch:{ns_seed.hex()}"
-
-    def _remember(self, ns_seed: bytes, gen: int, at: float) -> int:
-        with self._lock:
-            previous = self._known.get(ns_seed)
-            self._known[ns_seed] = (gen, at)
-        if previous is not None and previous[0] != gen:
-            self.retired.add(ns_seed, previous[0])
-        return gen
-
-    def get(self, ns_seed: bytes) -> int:
-        with self._lock:
-            known = self._known.get(ns_seed)
-        if known is not None and time.monotonic() - known[1] < self._cfg.invalidation_ms / 1000:
-            return known[0]
-        gen = self._tier.breaker.call(lambda: self._read(ns_seed), None)
-        if gen is None:  # unreachable or unstable: keep the last known generation, or a private one
-            if known is not None:
-                return known[0]
-            return self._remember(ns_seed, new_generation(), time.monotonic())
-        return self._remember(ns_seed, gen, time.monotonic())
-
-    def _read(self, ns_seed: bytes) -> int | None:
-        """The current generation in Redis, creating or repairing it when needed; None if the
-        value changed under every repair."""
-        client, key, reject = self._tier.client, self._key(ns_seed), self._tier.reject
-        created = False
-        for _ in range(4):
-            try:
-                raw = client.getrange(key, 0, _EPOCH_BYTES - 1)  # b"" for a missing key too
-            except Exception as e:
-                if not is_wrong_type(e):
-                    raise
-                kind = client.type(key)
-                reject("remote_wrong_type", "%s is a %s, not a generation; starting a new one", key, shown(kind))
-                client.eval(self._RETYPE, 1, key, kind, str(new_generation()))
-                continue
-            if raw == b"" and not created:  # missing (or empty): create one, first creator wins
-                created = True
-                client.set(key, str(new_generation()), nx=True)
-                continue
-            gen = parse_generation(raw)
-            if gen is not None and (ns_seed, gen) not in self.retired:
-                return gen
-            if gen is None:
-                reject("remote_bad_epochs", "%s holds %s, not a generation; starting a new one", key, shown(raw))
-            else:
-                reject("remote_epoch_rollbacks", "%s went back to generation %d, which was replaced earlier "
-                       "(restored snapshot?); starting a new one", key, gen)
-            try:
-                client.eval(self._CAS, 1, key, raw, str(new_generation()), _EPOCH_BYTES)
-            except Exception as e:  # it changed type meanwhile: read it again
-                if not is_wrong_type(e) and "WRONGTYPE" not in str(e):
-                    raise
-        reject("remote_unstable_epochs", "%s changed under every repair; keeping the last known generation", key)
-        return None
-
-    def bump(self, ns_seed: bytes) -> int:
-        client = self._tier.client
-        gen = new_generation()
-        with self._lock:
-            old = self._known.get(ns_seed)
-        client.set(self._key(ns_seed), str(gen))  # raises if Redis is down: a reset must not be lost
-        if old is not None:
-            self.retired.add(ns_seed, old[0])
-        self._remember(ns_seed, gen, time.monotonic())
-        try:
-            client.publish(self._channel, ns_seed.hex())
-        except service_errors() as e:  # the I/O edge: others catch up within invalidation_ms
-            log.warning("kvstrata remote: epoch announcement failed (%s); other instances see the "
-                        "new generation within remote.invalidation_ms", e)
-        return gen
-
-    def known(self) -> list[bytes]:
-        names = self._tier.breaker.call(
-            lambda: list(self._tier.client.scan_iter(match=f"{self._cfg.key_prefix}:epoch:*")), [])
-        out = []
-        for name in names:
-            seed = _seed_of(name.rsplit(b":", 1)[1] if isinstance(name, bytes) else None)
-            if seed is None:
-                self._tier.reject("remote_bad_epochs", "%s does not name a namespace", shown(name))
-            else:
-                out.append(seed)
-        return out
-
-    def _forget(self, data: object) -> None:
-        """An announcement: re-read that namespace at the next ``get``."""
-        seed = _seed_of(data.split(b":", 1)[0] if isinstance(data, bytes) and len(data) <= 256 else None)
-        if seed is None:
-            self._tier.reject("remote_bad_messages", "ignoring a message on %s that names no namespace: %s",
-                              self._channel, shown(data))
-            return
-        with self._lock:
-            known = self._known.get(seed)
-            if known is not None:
-                self._known[seed] = (known[0], 0.0)
-
-    def _listen(self) -> None:
-        errors, failing = service_errors(), False
-        while not self._stop.is_set():
-            client = None
-            try:
-                client = connect(self._cfg, blocking=True)
-                pubsub = client.pubsub()
-                pubsub.subscribe(self._channel)
-                if failing:
-                    log.warning("kvstrata remote: epoch subscriber connected again")
-                    failing = False
-                while not self._stop.is_set():
-                    msg = pubsub.get_message(timeout=1.0)
-                    if msg and msg.get("type") == "message":
-                        self._forget(msg.get("data"))
-            except errors as e:  # reconnect with a pause; polling in get() covers the gap
-                if self._stop.is_set():  # closed, and then the server went: nothing to report
-                    break
-                log.log(logging.DEBUG if failing else logging.WARNING,
-                        "kvstrata remote: epoch subscriber lost its connection (%s); reconnecting, and "
-                        "re-reading epochs every remote.invalidation_ms meanwhile", e)
-                failing = True
-                self._stop.wait(min(5.0, self._cfg.breaker.reset_ms / 1000))
-            except Exception:  # a bug: say so loudly (once), then keep the thread (polling still works)
-                log.log(logging.DEBUG if failing else logging.ERROR, "kvstrata remote: epoch subscriber failed",
-                        exc_info=True)
-                failing = True
-                self._stop.wait(min(5.0, self._cfg.breaker.reset_ms / 1000))
-            finally:
-                if client is not None:
-                    try:
-                        client.close()
-                    except Exception:  # closing a dead connection is not worth reporting
-                        pass
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-def _seed_of(text: object) -> bytes | None:
-    """A namespace seed from its 32 hex digits (bytes), or None."""
-    if not isinstance(text, bytes) or len(text) != 32:
-        return None
-    try:
-        return bytes.fromhex(text.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        return None

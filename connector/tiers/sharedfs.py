@@ -1,5 +1,5 @@
-"""L3 on a shared POSIX folder (NFS, CephFS, 3FS, JuiceFS, Lustre mounts): the disk tier's format,
-seen by every instance that mounts the folder.
+"""tiers/sharedfs.py: L3 on a shared POSIX folder (NFS, CephFS, 3FS, JuiceFS, Lustre mounts),
+``SharedFsTier``: the disk tier's format, seen by every instance that mounts the folder.
 
 It is the L2 code on another path: one file per block published by rename (atomic on these
 filesystems, no locks needed, which NFS lacks), headers probed for discovery, and the namespace
@@ -37,7 +37,8 @@ class SharedFsTier(DiskTier):
     open_mode_bits = 0o002  # group-writable is how a shared folder is shared; world-writable gets a warning
 
     def __init__(self, counters: Counters, cfg: RemoteConfig) -> None:
-        assert cfg.path is not None
+        if cfg.path is None:
+            raise ValueError("remote.backend fs needs remote.path (the shared folder)")
         super().__init__(counters, cfg.path, cfg.size)
 
     def modes(self) -> tuple[int, int]:

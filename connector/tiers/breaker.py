@@ -1,4 +1,4 @@
-"""A circuit breaker for tiers behind a network or a shared mount.
+"""tiers/breaker.py: the circuit breaker of the tiers behind a network (``Breaker.call``).
 
 ``call(fn, default)`` runs ``fn`` while the circuit is closed. After ``failures`` consecutive
 errors it opens: calls return ``default`` at once (a miss, a dropped save) instead of waiting for
@@ -20,8 +20,8 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-from .config import BreakerConfig
-from .metrics import Counters
+from ..config import BreakerConfig
+from ..metrics import Counters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

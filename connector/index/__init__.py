@@ -1,0 +1,8 @@
+"""index: the block index, which blocks exist, where, and whether a requested chain may use
+them: ``BlockIndex`` (``blockindex``: lookups, pins, commits, eviction) over the rows of
+``table`` (``EntryMeta``, one block's entry, and the numpy columns that hold them)."""
+
+from .blockindex import BlockIndex, Lease
+from .table import EntryMeta
+
+__all__ = ["BlockIndex", "EntryMeta", "Lease"]

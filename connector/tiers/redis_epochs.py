@@ -1,0 +1,205 @@
+"""tiers/redis_epochs.py: ``RedisEpochs``, the namespace generations (``epochs``) of the Redis
+tier: one key per namespace, ``P:epoch:<ns hex>``, and bumps announced on ``P:epochs`` (``P`` is
+``remote.key_prefix``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from ..config import RemoteConfig
+from ..epochs import EpochStore, Retired, new_generation, parse_generation
+from .redis import RedisTier
+from .redis_client import connect, is_wrong_type, service_errors, shown
+
+log = logging.getLogger(__name__)
+
+_EPOCH_BYTES = 64  # a generation is at most 20 digits; read no more than this of an epoch value
+
+
+class RedisEpochs(EpochStore):
+    """Namespace generations in Redis (see ``epochs``): ``SET NX`` creates, ``SET`` bumps, and a
+    PUBLISH tells every instance to re-read at once.
+
+    The value is the generation as decimal text. A missing key (evicted, lost in a restart,
+    flushed) is lost state: the first reader creates a fresh generation with ``SET NX`` and every
+    instance reads the winner, so older blocks become misses, never valid again. A value that is
+    not a generation (garbage, out of range, over 64 bytes: only its first 64 are ever read), a key
+    of another type, or a generation this instance (or its disk, the local floor) has seen replaced
+    is replaced by a fresh generation with a compare-and-set, and counted (``remote_bad_epochs``,
+    ``remote_wrong_type``, ``remote_epoch_rollbacks``). A value that changes under every repair
+    gives no generation (``remote_unstable_epochs``): the last known one is kept, as while Redis
+    is unreachable. Announcements carry only the namespace: they make the next ``get`` re-read
+    Redis, so a forged or delayed message can cost a round trip but never set a generation
+    (``remote_bad_messages`` counts those that name no namespace). ``get`` also re-reads a
+    namespace whose value is older than ``invalidation_ms``, which covers a missed message. While
+    Redis is unreachable the last known generation is used; a namespace never read gets a
+    process-local one (misses, and saves nobody else can see).
+    """
+
+    # Replace the value only if it still begins with what we read: two instances that both found
+    # it bad agree on one new generation.
+    _CAS = ("if redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1) == ARGV[1] then "
+            "return redis.call('SET', KEYS[1], ARGV[2]) end return 0")
+    # Replace a key of another type only if it still has that type (SET replaces any type).
+    _RETYPE = ("if redis.call('TYPE', KEYS[1]).ok == ARGV[1] then "
+               "return redis.call('SET', KEYS[1], ARGV[2]) end return 0")
+
+    def __init__(self, tier: RedisTier, cfg: RemoteConfig, floor: Path | None = None) -> None:
+        self._tier, self._cfg = tier, cfg
+        self._lock = threading.Lock()
+        self._known: dict[bytes, tuple[int, float]] = {}
+        self.retired = Retired(floor)
+        self._channel = f"{cfg.key_prefix}:epochs"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, name="kvstrata-epochs", daemon=True)
+        self._thread.start()
+
+    def _key(self, ns_seed: bytes) -> str:
+        return f"{self._cfg.key_prefix}:epoch:{ns_seed.hex()}"
+
+    def _remember(self, ns_seed: bytes, gen: int, at: float) -> int:
+        with self._lock:
+            previous = self._known.get(ns_seed)
+            self._known[ns_seed] = (gen, at)
+        if previous is not None and previous[0] != gen:
+            self.retired.add(ns_seed, previous[0])
+        return gen
+
+    def get(self, ns_seed: bytes) -> int:
+        with self._lock:
+            known = self._known.get(ns_seed)
+        if known is not None and time.monotonic() - known[1] < self._cfg.invalidation_ms / 1000:
+            return known[0]
+        gen = self._tier.breaker.call(lambda: self._read(ns_seed), None)
+        if gen is None:  # unreachable or unstable: keep the last known generation, or a private one
+            if known is not None:
+                return known[0]
+            return self._remember(ns_seed, new_generation(), time.monotonic())
+        return self._remember(ns_seed, gen, time.monotonic())
+
+    def _read(self, ns_seed: bytes) -> int | None:
+        """The current generation in Redis, creating or repairing it when needed; None if the
+        value changed under every repair."""
+        client, key, reject = self._tier.client, self._key(ns_seed), self._tier.reject
+        created = False
+        for _ in range(4):
+            try:
+                raw = client.getrange(key, 0, _EPOCH_BYTES - 1)  # b"" for a missing key too
+            except Exception as e:
+                if not is_wrong_type(e):
+                    raise
+                kind = client.type(key)
+                reject("remote_wrong_type", "%s is a %s, not a generation; starting a new one", key, shown(kind))
+                client.eval(self._RETYPE, 1, key, kind, str(new_generation()))
+                continue
+            if raw == b"" and not created:  # missing (or empty): create one, first creator wins
+                created = True
+                client.set(key, str(new_generation()), nx=True)
+                continue
+            gen = parse_generation(raw)
+            if gen is not None and (ns_seed, gen) not in self.retired:
+                return gen
+            if gen is None:
+                reject("remote_bad_epochs", "%s holds %s, not a generation; starting a new one", key, shown(raw))
+            else:
+                reject("remote_epoch_rollbacks", "%s went back to generation %d, which was replaced earlier "
+                       "(restored snapshot?); starting a new one", key, gen)
+            try:
+                client.eval(self._CAS, 1, key, raw, str(new_generation()), _EPOCH_BYTES)
+            except Exception as e:  # it changed type meanwhile: read it again
+                if not is_wrong_type(e) and "WRONGTYPE" not in str(e):
+                    raise
+        reject("remote_unstable_epochs", "%s changed under every repair; keeping the last known generation", key)
+        return None
+
+    def bump(self, ns_seed: bytes) -> int:
+        client = self._tier.client
+        gen = new_generation()
+        with self._lock:
+            old = self._known.get(ns_seed)
+        client.set(self._key(ns_seed), str(gen))  # raises if Redis is down: a reset must not be lost
+        if old is not None:
+            self.retired.add(ns_seed, old[0])
+        self._remember(ns_seed, gen, time.monotonic())
+        try:
+            client.publish(self._channel, ns_seed.hex())
+        except service_errors() as e:  # the I/O edge: others catch up within invalidation_ms
+            log.warning("kvstrata remote: epoch announcement failed (%s); other instances see the "
+                        "new generation within remote.invalidation_ms", e)
+        return gen
+
+    def known(self) -> list[bytes]:
+        names = self._tier.breaker.call(
+            lambda: list(self._tier.client.scan_iter(match=f"{self._cfg.key_prefix}:epoch:*")), [])
+        out = []
+        for name in names:
+            seed = _seed_of(name.rsplit(b":", 1)[1] if isinstance(name, bytes) else None)
+            if seed is None:
+                self._tier.reject("remote_bad_epochs", "%s does not name a namespace", shown(name))
+            else:
+                out.append(seed)
+        return out
+
+    def _forget(self, data: object) -> None:
+        """An announcement: re-read that namespace at the next ``get``."""
+        seed = _seed_of(data.split(b":", 1)[0] if isinstance(data, bytes) and len(data) <= 256 else None)
+        if seed is None:
+            self._tier.reject("remote_bad_messages", "ignoring a message on %s that names no namespace: %s",
+                              self._channel, shown(data))
+            return
+        with self._lock:
+            known = self._known.get(seed)
+            if known is not None:
+                self._known[seed] = (known[0], 0.0)
+
+    def _listen(self) -> None:
+        errors, failing = service_errors(), False
+        while not self._stop.is_set():
+            client = None
+            try:
+                client = connect(self._cfg, blocking=True)
+                pubsub = client.pubsub()
+                pubsub.subscribe(self._channel)
+                if failing:
+                    log.warning("kvstrata remote: epoch subscriber connected again")
+                    failing = False
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=1.0)
+                    if msg and msg.get("type") == "message":
+                        self._forget(msg.get("data"))
+            except errors as e:  # reconnect with a pause; polling in get() covers the gap
+                if self._stop.is_set():  # closed, and then the server went: nothing to report
+                    break
+                log.log(logging.DEBUG if failing else logging.WARNING,
+                        "kvstrata remote: epoch subscriber lost its connection (%s); reconnecting, and "
+                        "re-reading epochs every remote.invalidation_ms meanwhile", e)
+                failing = True
+                self._stop.wait(min(5.0, self._cfg.breaker.reset_ms / 1000))
+            except Exception:  # a bug: say so loudly (once), then keep the thread (polling still works)
+                log.log(logging.DEBUG if failing else logging.ERROR, "kvstrata remote: epoch subscriber failed",
+                        exc_info=True)
+                failing = True
+                self._stop.wait(min(5.0, self._cfg.breaker.reset_ms / 1000))
+            finally:
+                if client is not None:
+                    try:
+                        client.close()
+                    except Exception:  # closing a dead connection is not worth reporting
+                        pass
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _seed_of(text: object) -> bytes | None:
+    """A namespace seed from its 32 hex digits (bytes), or None."""
+    if not isinstance(text, bytes) or len(text) != 32:
+        return None
+    try:
+        return bytes.fromhex(text.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None

@@ -1,0 +1,243 @@
+"""tiers/scan.py: the one scan of a tier folder, trusting nothing it finds: ``scan_folder``
+(blocks and temp files: start-up recovery, ``kvstrata check``, the shared tier's sweep) and
+``scan_tails`` (tail markers: ``kvstrata check``). Each entry comes back as a ``Found``.
+
+The rules of ``folder``, applied to a whole folder:
+
+- never follow a symlink: folders are opened with ``O_NOFOLLOW | O_DIRECTORY`` and walked by
+  descriptor (``scandir(fd)``, ``openat``, ``unlinkat``), entries are classified with
+  ``follow_symlinks=False``, so a folder swapped for a link mid-scan is not entered either;
+- open only regular files, with ``O_NONBLOCK`` (a FIFO opens at once), then ``fstat``;
+- delete only regular files whose names kvstrata writes (a block in the shard of its key, a temp
+  file, a marker), only blocks of this format version, and only if still the file examined (same
+  inode);
+- everything else is left alone, and reported (``Found`` of kind ``skipped``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
+
+from ..blockfmt import HEADER_SIZE, FormatError, payload_hasher, unpack_header
+from ..index import EntryMeta
+from .folder import OPEN_DIR, PARENT_RE, SHARD_RE, block_name, kind_of, open_regular, parse_block_entry, parse_marker, shown
+
+BLOCK, DAMAGED, OTHER_VERSION, TEMP, WRITING, SKIPPED, MARKER, ORPHAN = (
+    "block", "damaged", "other_version", "temp", "writing", "skipped", "marker", "orphan_marker")
+
+
+class Found(NamedTuple):
+    """One entry of a tier folder, as ``scan_folder`` or ``scan_tails`` classified it.
+
+    ``kind``: ``block`` (servable, ``meta`` set), ``damaged`` (a kvstrata block of this format
+    that can never be served), ``other_version`` (a well-formed block of another format version:
+    left alone), ``temp`` (a dead writer's leftover), ``writing`` (a write in progress),
+    ``skipped`` (not a regular file kvstrata writes: a symlink, FIFO, socket, folder or foreign
+    file; left alone), ``marker`` / ``orphan_marker`` (tail markers whose block is there / gone).
+    ``why`` says what is wrong; ``removed``: whether this scan deleted it."""
+
+    kind: str
+    path: str
+    meta: EntryMeta | None = None
+    size: int = 0
+    mtime: float = 0.0
+    why: str = ""
+    removed: bool = False
+
+
+def _skipped(folder: str, entry: os.DirEntry, named_like_ours: bool) -> Found:
+    try:
+        what = kind_of(entry.stat(follow_symlinks=False).st_mode)
+    except OSError:
+        what = "entry"
+    why = (f"a {what} named like a kvstrata entry, not a regular file of its own: never followed, "
+           "opened or deleted" if named_like_ours else f"a {what} kvstrata does not write: left alone")
+    return Found(SKIPPED, f"{folder}/{shown(entry.name)}", why=why)
+
+
+def _subfolders(folder: str, pattern: re.Pattern[str], parent_fd: int | None,
+                prefix: str = "") -> Iterator[tuple[str, int] | Found]:
+    """Open each real subfolder of ``folder`` whose name matches ``pattern`` (and starts with
+    ``prefix``), never through a symlink; yields ``(name, fd)`` (closed when the caller asks for
+    the next one) or a ``skipped`` Found for everything else."""
+    with os.scandir(parent_fd if parent_fd is not None else folder) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        if not (pattern.fullmatch(entry.name) and entry.name.startswith(prefix)
+                and entry.is_dir(follow_symlinks=False)):
+            yield _skipped(folder, entry, bool(pattern.fullmatch(entry.name)))
+            continue
+        try:
+            fd = os.open(entry.name, OPEN_DIR, dir_fd=parent_fd)
+        except OSError as e:  # replaced by a symlink meanwhile (ELOOP), or gone
+            yield Found(SKIPPED, f"{folder}/{shown(entry.name)}", why=f"cannot open safely: {e.strerror}")
+            continue
+        try:
+            yield entry.name, fd
+        finally:
+            os.close(fd)
+
+
+def _shards(root: Path | str, name: str) -> Iterator[tuple[str, str, int] | Found]:
+    """Each real shard folder of ``root/name`` as ``(path, shard, fd)`` (the fd is closed when the
+    caller asks for the next one), or a ``skipped`` Found: ``root/name`` itself a symlink or not a
+    folder, or an entry of it that is not a shard folder. Nothing if ``root/name`` is missing."""
+    top_path = os.path.join(root, name)
+    try:
+        top = os.open(top_path, OPEN_DIR)
+    except FileNotFoundError:
+        return
+    except OSError as e:  # a symlink (ELOOP) or not a folder: never scanned through
+        yield Found(SKIPPED, top_path, why=f"not a real folder ({e.strerror}): not scanned")
+        return
+    try:
+        for item in _subfolders(top_path, SHARD_RE, top):
+            yield item if isinstance(item, Found) else (f"{top_path}/{item[0]}", item[0], item[1])
+    finally:
+        os.close(top)
+
+
+def scan_folder(root: Path | str, *, fix: bool, stale_temp: Callable[[int, float], bool],
+                verify: bool = False) -> Iterator[Found]:
+    """Every entry of ``root/blocks``, classified; the one scan of a tier folder (start-up
+    recovery, ``kvstrata check``, the shared tier's sweep).
+
+    Never follows a symlink and opens only regular files (non-blocking). Each block file's header
+    is parsed and checked against the file's name and size; with ``verify`` its payload checksum
+    too. With ``fix``, deletes only regular files with kvstrata's names: ``damaged`` blocks of
+    this format version, and ``temp`` files for which ``stale_temp(pid, mtime)`` holds."""
+    for item in _shards(root, "blocks"):
+        if isinstance(item, Found):
+            yield item
+        else:
+            yield from _scan_shard(*item, fix, stale_temp, verify)
+
+
+def _scan_shard(folder: str, shard: str, dir_fd: int, fix: bool,
+                stale_temp: Callable[[int, float], bool], verify: bool) -> Iterator[Found]:
+    with os.scandir(dir_fd) as it:
+        entries = list(it)
+    for entry in entries:
+        name = entry.name
+        parsed = parse_block_entry(name)
+        if parsed is None or not parsed[0].startswith(shard) or not entry.is_file(follow_symlinks=False):
+            yield _skipped(folder, entry, parsed is not None)
+            continue
+        path = f"{folder}/{name}"
+        if parsed[1] is not None:  # a temp file of writer parsed[1]
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            stale = stale_temp(parsed[1], st.st_mtime)
+            removed = fix and stale and _unlink_same(name, dir_fd, st)
+            yield Found(TEMP if stale else WRITING, path, size=st.st_size, mtime=st.st_mtime, removed=removed)
+            continue
+        try:
+            fd, st = open_regular(name, dir_fd)
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # replaced by a symlink (ELOOP) or a FIFO meanwhile
+            yield Found(SKIPPED, path, why=f"cannot open safely: {e.strerror}")
+            continue
+        try:
+            found = _examine(fd, st, name, path, verify)
+        finally:
+            os.close(fd)
+        if found.kind == DAMAGED and fix:
+            found = found._replace(removed=_unlink_same(name, dir_fd, st))
+        yield found
+
+
+def _examine(fd: int, st: os.stat_result, name: str, path: str, verify: bool) -> Found:
+    """A block file's header (and payload, with ``verify``) checked against its name and size."""
+    found = Found(BLOCK, path, size=st.st_size, mtime=st.st_mtime)
+    try:
+        meta = unpack_header(os.pread(fd, HEADER_SIZE, 0), path)
+    except FormatError as e:
+        return found._replace(kind=DAMAGED if e.corrupt else OTHER_VERSION, why=str(e).removeprefix(f"{path}: "))
+    except OSError as e:
+        return found._replace(kind=SKIPPED, why=f"unreadable: {e.strerror}")
+    if st.st_size != HEADER_SIZE + meta.size:
+        why = f"size {st.st_size - HEADER_SIZE} bytes, header says {meta.size}"
+    elif name != block_name(meta.key.hex()):
+        why = "file name does not match the key in its header"
+    elif verify and _payload_checksum(fd, meta.size) != meta.checksum:
+        why = "payload checksum mismatch"
+    else:
+        return found._replace(meta=meta)
+    return found._replace(kind=DAMAGED, why=why)
+
+
+def _payload_checksum(fd: int, size: int, chunk: int = 8 << 20) -> int:
+    h = payload_hasher()
+    offset, end = HEADER_SIZE, HEADER_SIZE + size
+    while offset < end:
+        data = os.pread(fd, min(chunk, end - offset), offset)
+        if not data:
+            break
+        h.update(data)
+        offset += len(data)
+    return h.intdigest()
+
+
+def _unlink_same(name: str, dir_fd: int, seen: os.stat_result) -> bool:
+    """Delete ``name`` in ``dir_fd`` only if it is still the regular file that was examined (a
+    writer may have published a fresh copy under the name since)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or (st.st_ino, st.st_dev) != (seen.st_ino, seen.st_dev):
+            return False
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return True
+
+
+def scan_tails(root: Path | str, *, fix: bool, is_orphan: Callable[[str, int, str | None], bool]) -> Iterator[Found]:
+    """Every entry of ``root/tails``: markers (``marker`` / ``orphan_marker`` per
+    ``is_orphan(parent hex, ntok, key hex or None)``) and ``skipped`` entries. With ``fix``,
+    orphan markers are deleted, then their parent folder if it is empty. Same rules as
+    ``scan_folder``: no symlink followed, only kvstrata's names touched."""
+    for item in _shards(root, "tails"):
+        if isinstance(item, Found):
+            yield item
+            continue
+        folder, shard, shard_fd = item
+        for sub in _subfolders(folder, PARENT_RE, shard_fd, shard):
+            if isinstance(sub, Found):
+                yield sub
+                continue
+            parent, fd = sub
+            yield from _scan_markers(f"{folder}/{parent}", parent, fd, fix, is_orphan)
+            if fix:
+                try:
+                    os.rmdir(parent, dir_fd=shard_fd)  # only if empty
+                except OSError:
+                    pass
+
+
+def _scan_markers(folder: str, parent: str, dir_fd: int, fix: bool,
+                  is_orphan: Callable[[str, int, str | None], bool]) -> Iterator[Found]:
+    with os.scandir(dir_fd) as it:
+        entries = list(it)
+    for entry in entries:
+        marker = parse_marker(entry.name)
+        if not marker or not entry.is_file(follow_symlinks=False):
+            yield _skipped(folder, entry, bool(marker))
+            continue
+        path = f"{folder}/{entry.name}"
+        if not is_orphan(parent, *marker):
+            yield Found(MARKER, path)
+            continue
+        removed = False
+        if fix:
+            try:
+                removed = _unlink_same(entry.name, dir_fd, entry.stat(follow_symlinks=False))
+            except OSError:
+                pass
+        yield Found(ORPHAN, path, why="its block is gone", removed=removed)
