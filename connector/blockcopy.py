@@ -19,6 +19,7 @@ for exactly the layer it is about to read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -75,9 +76,8 @@ class BlockLayout:
             return
         _check_pairs(slots, block_ids)
         if not self._cuda:
-            for start, ids in self._runs(slots, block_ids):
-                for layer in self.layers:  # gather blocks straight into the slots: one op per layer
-                    torch.index_select(layer.blocks, 0, ids, out=self._slot_view(arena, start, len(ids), layer))
+            for layer, ids, view in self._cpu_runs(slots, arena, block_ids):  # gather straight into the slots
+                torch.index_select(layer.blocks, 0, ids, out=view)
             return
         n, rows, idx = self._indices(slots, block_ids)
         staged = self._staging_views(n)
@@ -101,9 +101,8 @@ class BlockLayout:
             return
         _check_pairs(slots, block_ids)
         if not self._cuda:
-            for start, ids in self._runs(slots, block_ids):
-                for layer in self.layers:  # scatter the slots straight into the blocks: one op per layer
-                    layer.blocks.index_copy_(0, ids, self._slot_view(arena, start, len(ids), layer))
+            for layer, ids, view in self._cpu_runs(slots, arena, block_ids):  # scatter straight into the blocks
+                layer.blocks.index_copy_(0, ids, view)
             return
         n, rows, idx = self._indices(slots, block_ids)
         self._stream.synchronize()  # the previous load may still read the staging buffer
@@ -116,15 +115,17 @@ class BlockLayout:
                 event.record(self._stream)
             self._events[layer.name] = event
 
-    @staticmethod
-    def _runs(slots: list[int], block_ids: list[int]) -> list[tuple[int, torch.Tensor]]:
-        """``(first slot, block ids)`` for each run of consecutive slots."""
-        runs, begin = [], 0
+    def _cpu_runs(self, slots: list[int], arena: torch.Tensor,
+                  block_ids: list[int]) -> Iterator[tuple[_Layer, torch.Tensor, torch.Tensor]]:
+        """For each run of consecutive slots and each layer: ``(layer, the run's block ids, the
+        run's slots as that layer's blocks)``, one batched copy each."""
+        begin = 0
         for i in range(1, len(slots) + 1):
             if i == len(slots) or slots[i] != slots[i - 1] + 1:
-                runs.append((slots[begin], torch.tensor(block_ids[begin:i], dtype=torch.long)))
+                ids = torch.tensor(block_ids[begin:i], dtype=torch.long)
+                for layer in self.layers:
+                    yield layer, ids, self._slot_view(arena, slots[begin], i - begin, layer)
                 begin = i
-        return runs
 
     @staticmethod
     def _slot_view(arena: torch.Tensor, start: int, n: int, layer: _Layer) -> torch.Tensor:

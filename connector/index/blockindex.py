@@ -178,11 +178,9 @@ class BlockIndex(Table):
             return self._commit(meta, tier_bit)
 
     def commit_many(self, metas: list[EntryMeta], tier_bit: int) -> list[int | None]:
-        """``commit`` for many blocks at once (recovery, bulk saves). Rows aligned with ``metas``.
-
-        Keys not yet indexed are written with one vectorized assignment per column; the rest go
-        through ``commit`` so that duplicates and collisions follow the same rules.
-        """
+        """``commit`` for many blocks at once (recovery, bulk saves), duplicates and collisions by
+        the same rules, new keys written in one vectorized assignment per column. Rows aligned with
+        ``metas``."""
         with self._lock:
             return self._commit_many(metas, tier_bit)
 

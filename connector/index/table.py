@@ -106,12 +106,7 @@ class Table:
         )
 
     def _commit(self, meta: EntryMeta, tier_bit: int) -> int | None:
-        """Publish ``meta`` as present in ``tier_bit``. Returns the row, or None if dropped.
-
-        A block with the same identity that is already committed just gains the tier bit. A
-        different block under the same (possibly truncated) key is a collision: the existing entry
-        wins unless it belongs to an older epoch or no tier holds it any more.
-        """
+        """``BlockIndex.commit``, under the caller's lock."""
         k = meta.key[: self._key_bytes]
         ns = self._ns_id(meta.ns_seed)
         row = self._rows.get(k)
@@ -153,11 +148,8 @@ class Table:
         return row
 
     def _commit_many(self, metas: list[EntryMeta], tier_bit: int) -> list[int | None]:
-        """``commit`` for many blocks at once (recovery, bulk saves). Rows aligned with ``metas``.
-
-        Keys not yet indexed are written with one vectorized assignment per column; the rest go
-        through ``commit`` so that duplicates and collisions follow the same rules.
-        """
+        """``BlockIndex.commit_many``, under the caller's lock: keys not yet indexed are written
+        with one vectorized assignment per column, the rest go through ``_commit``."""
         kb = self._key_bytes
         fresh: dict[bytes, EntryMeta] = {}
         slow = []
