@@ -25,7 +25,7 @@ class EntryMeta(NamedTuple):
     ns_seed: bytes
     epoch: int
     size: int
-    checksum: int  # xxh3-64 of the payload; 0 until a tier that verifies has computed it
+    checksum: int  # xxh3-64 of the payload; 0 until it is written to a tier outside the process
     tail: bool = False  # a partial block (fewer tokens than the block size)
 
 

@@ -14,7 +14,7 @@ The 256 shard folders are created once at start-up, so the write path never call
 shards keep folders at a few thousand files for a terabyte of 256 KiB blocks.
 
 Why one file per block and not a slab: publication is a single ``rename`` (atomic on POSIX, and
-the same on the shared filesystems a later tier uses), several processes can share the folder with
+the same on the shared filesystems of ``sharedfs``), several processes can share the folder with
 no lock and no shared index, and a reader that already opened a file keeps its bytes even if GC
 unlinks it. The header carries everything the index needs, so another process's blocks are
 discovered by reading 128 bytes (``probe``), never the payload.
