@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from kvstrata.config import ConfigError
-from kvstrata.tiers.disk import IOV_MAX
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
@@ -38,7 +37,8 @@ class PageRows:
     touching fresh memory costs as much as the copy itself.
     """
 
-    def __init__(self, pool: "HostKVCache") -> None:
+    def __init__(self, pool: "HostKVCache", max_runs: int) -> None:
+        """``max_runs``: the most byte runs a page may have for direct disk I/O (``BlockStore.max_runs``)."""
         if pool.layout not in LAYOUTS:
             raise ConfigError(f"kvstrata: SGLang host layout {pool.layout!r} is not supported; "
                               f"use --hicache-mem-layout {' or '.join(LAYOUTS)}")
@@ -69,8 +69,8 @@ class PageRows:
         self._run_bytes = self.page_size * token_bytes
         self._run_offsets = tuple(j * pool.size * token_bytes for j in range(math.prod(dims[: self.dim])))
         self.pool_bytes = buf.numel() * buf.element_size()
-        # Runs must be addressable in the flat buffer, and header + runs fit one preadv.
-        self.direct = buf.is_contiguous() and len(self._run_offsets) < IOV_MAX
+        # Runs must be addressable in the flat buffer, and few enough for one preadv/pwritev.
+        self.direct = buf.is_contiguous() and len(self._run_offsets) <= max_runs
         self._mem = memoryview(self._raw.reshape(-1)) if self.direct else None
 
     def staging(self, n: int) -> torch.Tensor:

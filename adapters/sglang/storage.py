@@ -47,7 +47,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstrata.keys import BlockChain, Namespace, chain_digests, root_key
-from kvstrata.store import BlockStore, Hit
+from kvstrata.store import BlockStore, ByteRuns, Hit
 
 from .namespace import digests_of, load_strata_config, namespace_for, server_passes_prefix_keys
 from .pages import PageRows
@@ -111,13 +111,13 @@ class StrataStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: "HostKVCache") -> None:
         super().register_mem_pool_host(mem_pool_host)
-        self.rows = PageRows(mem_pool_host)
+        self.rows = PageRows(mem_pool_host, self.store.max_runs)
         self.ns = namespace_for(self.storage_config, self.config, self.rows, self.chained)
         # An L1 smaller than the host pool would mostly hold pages the pool still has (both are
         # LRU over the same pages), so its copy is pure cost: pages then go straight between
         # the pool and the disk tier. An L1 at least that large is a real cache behind the pool.
-        self.bypass_l1 = (self.rows.direct and self.store.l2 is not None
-                          and self.store.l1.capacity_bytes < self.rows.pool_bytes)
+        self.bypass_l1 = (self.rows.direct and self.store.direct_reads
+                          and self.store.arena.capacity_bytes < self.rows.pool_bytes)
         log.info("kvstrata: namespace %s (%s), %d-byte pages, %s", self.ns.id, self.ns.layout,
                  self.rows.page_bytes, "direct disk I/O" if self.bypass_l1 else "through L1")
 
@@ -177,14 +177,14 @@ class StrataStorage(HiCacheStorage):
         try:
             starts = self.rows.page_starts(host_indices, hit.num_blocks) if self.bypass_l1 and hit.num_blocks else None
             if starts is not None:
-                rows, l1 = self.rows, self.store.l1
-                loaded = self.store.load_direct(
-                    hit, lambda i: rows.runs(starts[i]),
-                    lambda i, slot: rows.copy_slot(l1.data, slot, starts[i]))  # type: ignore[arg-type]
+                rows, arena = self.rows, self.store.arena
+                loaded = self.store.load(hit, ByteRuns(
+                    rows.page_bytes, lambda i: rows.runs(starts[i]),
+                    lambda i, slot: rows.copy_slot(arena.data, slot, starts[i])))  # type: ignore[arg-type]
             else:
                 loaded = self._get_staged(hit, host_indices)
         finally:
-            self.store.release(hit)
+            self.store.complete_load(hit)
         self._calls.record("prefetch", loaded, loaded * self.rows.page_bytes, time.perf_counter() - start)
         log.debug("kvstrata: loaded %d of %d pages", loaded, len(keys))
         return [i < loaded for i in range(len(keys))]
@@ -192,18 +192,19 @@ class StrataStorage(HiCacheStorage):
     def _get_staged(self, hit: Hit, host_indices: torch.Tensor) -> int:
         """Pages on disk are read into L1 slots, then every page is copied from its slot."""
         assert self.rows is not None
-        resident = self.store.l1_slots(hit)
+        arena = self.store.arena
+        resident = arena.slots(hit)
         in_l1 = next((i for i, slot in enumerate(resident) if slot is None), len(resident))
-        loaded = self.store.stage(hit) if hit.num_blocks else 0
+        loaded = self.store.load(hit) if hit.num_blocks else 0
         if in_l1 and loaded:
             self.store.counters.inc("hit_blocks_l1", min(in_l1, loaded))
-        slots = self.store.l1_slots(hit)[:loaded]
+        slots = arena.slots(hit)[:loaded]
         if None in slots:  # not expected while pinned; never serve what is not there
             loaded = slots.index(None)
             slots = slots[:loaded]
         if loaded:
-            assert self.store.l1.data is not None
-            self.rows.scatter_from(self.store.l1.data, slots, host_indices)  # type: ignore[arg-type]
+            assert arena.data is not None
+            self.rows.scatter_from(arena.data, slots, host_indices)  # type: ignore[arg-type]
         return loaded
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -214,7 +215,7 @@ class StrataStorage(HiCacheStorage):
         the pool straight to disk: one ``pwritev`` of header + the page's runs per file, published
         by rename, then committed. Otherwise they are copied once into fresh L1 slots, committed,
         and written through from there. Either way the disk copies exist before this returns, so
-        every process sharing the disk tier sees them then (as the legacy path and ``put`` do)."""
+        every process sharing the disk tier sees them then (as the legacy path, ``save(wait=True)``, does)."""
         if not keys:
             return []
         if not self.writer:
@@ -225,38 +226,36 @@ class StrataStorage(HiCacheStorage):
         starts = self.rows.page_starts(host_indices, len(keys)) if self.bypass_l1 and self.store.direct_writes else None
         if starts is not None:
             rows = self.rows
-            self.store.put_direct(self.ns, epoch, chain, rows.page_bytes, lambda i: rows.runs(starts[i]))
+            self.store.save(self.ns, epoch, chain, ByteRuns(rows.page_bytes, lambda i: rows.runs(starts[i])), wait=True)
         else:
             self._set_staged(epoch, chain, host_indices, len(keys))
-        stored = self.store.index.valid_mask(self.ns.seed, epoch, chain).tolist()
+        stored = self.store.stored_mask(self.ns, epoch, chain).tolist()
         self._calls.record("backup", len(keys), len(keys) * self.rows.page_bytes, time.perf_counter() - start)
         return stored
 
     def _set_staged(self, epoch: int, chain: BlockChain, host_indices: torch.Tensor, n: int) -> None:
         assert self.rows is not None and self.ns is not None
-        res = self.store.reserve(self.ns, epoch, chain, self.rows.page_bytes)
+        res = self.store.prepare_store(self.ns, epoch, chain, self.rows.page_bytes)
         if not res.slots:
             return
         where = {key: i for i, key in enumerate(chain.keys)}
         pages = [where[meta.key] for meta in res.metas]
-        assert self.store.l1.data is not None
+        data = self.store.arena.data
+        assert data is not None
         try:
-            self.rows.gather_into(self.store.l1.data, res.slots, pages, host_indices, n)
+            self.rows.gather_into(data, res.slots, pages, host_indices, n)
         except BaseException:
-            self.store.abort(res)
+            self.store.complete_store(res, False)
             raise
-        if self.store.direct_writes:  # written through before returning, by this and the save threads
-            self.store.commit_written(res)
-        else:
-            self.store.commit(res)
-            self.store.flush()  # the write-through commit queued
+        # Written through before returning (by this and the save threads where the store allows).
+        self.store.complete_store(res, wait=True)
 
     def _put(self, keys: Sequence[str], payloads: torch.Tensor | Sequence[torch.Tensor],
              extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
         epoch, chain = self._chain(keys, extra_info)
         assert self.ns is not None
-        self.store.put(self.ns, epoch, chain, payloads)
-        return self.store.index.valid_mask(self.ns.seed, epoch, chain).tolist()
+        self.store.save(self.ns, epoch, chain, payloads, wait=True)
+        return self.store.stored_mask(self.ns, epoch, chain).tolist()
 
     # -------------------------------------------------------------- legacy path (flat pages)
     def batch_get(self, keys: list[str], target_locations: Any = None,
@@ -270,7 +269,7 @@ class StrataStorage(HiCacheStorage):
         try:
             loaded = self.store.load(hit, [t.reshape(-1).view(torch.uint8) for t in target_locations[: hit.num_blocks]])
         finally:
-            self.store.release(hit)
+            self.store.complete_load(hit)
         return [t if i < loaded else None for i, t in enumerate(target_locations[: len(keys)])]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:

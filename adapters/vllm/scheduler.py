@@ -99,8 +99,8 @@ class SchedulerSide:
         slot_bytes = rank_bytes * par.tensor_parallel_size
         path = new_arena_path()
         self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
-        atexit.register(self.store.l1.close)  # unlink the arena even if vLLM never calls shutdown
-        self.arena = ArenaSpec(path, self.store.l1.num_slots, slot_bytes, rank_bytes)
+        atexit.register(self.store.arena.unlink)  # unlink the arena even if vLLM never calls shutdown
+        self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes)
         self._ranks = par.tensor_parallel_size
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._inline_bytes = cfg.l1.stage_inline_bytes
@@ -133,7 +133,7 @@ class SchedulerSide:
         hit = self.store.lookup(self.ns, st.tokens, st.extra, pin=True)
         matched, slots = self._resident(st, hit, num_computed_tokens)
         if not matched:
-            self.store.release(hit)
+            self.store.complete_load(hit)
             return matched, False
         st.hit, st.slots = hit, slots
         return matched, False
@@ -145,14 +145,14 @@ class SchedulerSide:
         if usable <= num_computed_tokens:
             return 0, []
         n_blocks = -(-usable // self.block_size)
-        slots = self.store.l1_slots(hit)[:n_blocks]
+        slots = self.store.arena.slots(hit)[:n_blocks]
         first = num_computed_tokens // self.block_size
         if any(s is None for s in slots[first:]) and not st.staged:
             wanted = hit._replace(chain=BlockChain(*(part[:n_blocks] for part in hit.chain)),
                                   tiers=hit.tiers[:n_blocks], lease=None)
             if not self._stage(st, wanted, first):
                 return None, []
-            slots = self.store.l1_slots(hit)[:n_blocks]  # staged rows are the pinned ones
+            slots = self.store.arena.slots(hit)[:n_blocks]  # staged rows are the pinned ones
         resident = first
         while resident < n_blocks and slots[resident] is not None:
             resident += 1
@@ -164,25 +164,22 @@ class SchedulerSide:
     def _stage(self, st: _Pending, hit: Hit, first: int) -> bool:
         """Bring the hit's blocks into L1. Returns True when done inline (small hits): the caller
         can promise them now; False when a background job was started (ask again later)."""
-        missing = sum(1 for s in self.store.l1_slots(hit)[first:] if s is None)
+        missing = sum(1 for s in self.store.arena.slots(hit)[first:] if s is None)
         if missing * self.arena.slot_bytes <= self._inline_bytes:
             # Inline: a background thread would fight this busy scheduler loop for the GIL.
-            self.store.stage(hit)
+            self.store.load(hit)
             st.staged, st.from_disk = True, missing
             return True
 
-        def job() -> None:
-            self.store.stage(hit)
-            with self._lock:
-                st.staging, st.staged, st.from_disk = False, True, missing
-
-        def failed() -> None:  # the request must not wait forever for a job that raised
+        def staged(n: int | None) -> None:  # None: the job raised; the request must not wait forever
             with self._lock:
                 st.staging, st.staged = False, True
+                if n is not None:
+                    st.from_disk = missing
 
         with self._lock:
             st.staging = True
-        if not self.store.submit(missing, job, on_fail=failed):
+        if not self.store.load(hit, wait=False, on_done=staged):
             with self._lock:
                 st.staging, st.staged = False, True  # queue full: serve what L1 has
         return False
@@ -190,7 +187,7 @@ class SchedulerSide:
     def _release(self, st: _Pending) -> None:
         """Give back the pin of the request's last lookup (not handed to a load op)."""
         if st.hit is not None:
-            self.store.release(st.hit)
+            self.store.complete_load(st.hit)
             st.hit, st.slots = None, []
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -260,7 +257,7 @@ class SchedulerSide:
                               todo.lengths + [prompt_len - n_prompt_full * bs])
             where.append(n_prompt_full)
         st.saved_full, st.tail_saved = max(st.saved_full, full), st.tail_saved or tail
-        res = self.store.reserve(self.ns, epoch, todo, self.arena.slot_bytes)
+        res = self.store.prepare_store(self.ns, epoch, todo, self.arena.slot_bytes)
         if not res.slots:
             return
         if self.kv_cache_manager is None:
@@ -294,7 +291,7 @@ class SchedulerSide:
             if len(self._attached) >= self._ranks:
                 # Every worker holds a mapping now: drop the name, so the memory goes back to the
                 # system when the processes end, however they end (no leaked /dev/shm file).
-                self.store.l1.close()
+                self.store.arena.unlink()
                 log.info("kvstrata: all %d workers mapped the L1 arena; unlinked %s", self._ranks, self.arena.path)
         for reports, ok in ((meta.failed, False), (meta.saved, True), (meta.loaded, True)):
             for rank, op_ids in reports.items():
@@ -312,12 +309,10 @@ class SchedulerSide:
             return
         del self._inflight[op_id]
         if op.hit is not None:
-            self.store.release(op.hit)  # every rank has copied the blocks out of their slots
+            self.store.complete_load(op.hit)  # every rank has copied the blocks out of their slots
         if op.reservation is not None:
-            if op.ok:
-                self.store.commit(op.reservation)  # visible to lookups from now on
-            else:
-                self.store.abort(op.reservation)  # some rank's shard is missing: never served
+            # Published (visible to lookups from now on) only if every rank copied its shard.
+            self.store.complete_store(op.reservation, op.ok)
 
     # -- control and stats
     def reset_cache(self) -> bool:

@@ -176,8 +176,9 @@ class BlockStore:
 
     @property
     def max_runs(self) -> int:
-        """The most runs one block of ``ByteRuns`` may have (one ``preadv``/``pwritev``)."""
-        return IOV_MAX
+        """The most runs one block of ``ByteRuns`` may have: one ``preadv``/``pwritev`` moves the
+        block's header and its runs together."""
+        return IOV_MAX - 1
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued saves (tests, shutdown)."""
