@@ -627,7 +627,7 @@ def test_arena_prefaulter_tops_up_only_when_half_of_the_headroom_is_used(tmp_pat
     slot, which would put page population inside the request that uses the slot."""
     import time
 
-    from kvstrata.tiers.memory import Prefaulter, create_shared_arena
+    from kvstrata.tiers.arena import Prefaulter, create_shared_arena
 
     monkeypatch.setattr(Prefaulter, "AHEAD", 8 << 20)
     monkeypatch.setattr(Prefaulter, "CHUNK", 1 << 20)

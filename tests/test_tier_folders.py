@@ -368,7 +368,7 @@ def test_shared_folder_sweep_leaves_other_hosts_temp_files_until_they_are_stale(
 
 def _hold_arenas(*paths: Path) -> list[subprocess.Popen]:
     """Live peers: one process per path that creates the arena there and keeps running."""
-    code = ("import sys, time; from kvstrata.tiers.memory import create_shared_arena; "
+    code = ("import sys, time; from kvstrata.tiers.arena import create_shared_arena; "
             "create_shared_arena(sys.argv[1], 2, 4096); print('ready', flush=True); time.sleep(600)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(p)], stdout=subprocess.PIPE, text=True)
              for p in paths]
@@ -383,7 +383,7 @@ def test_dead_arena_cleanup_spares_arenas_of_live_peers_whose_pid_is_not_visible
     older than any start-up. One's creator is alive (it holds the arena), the other's has been
     killed. The start-up cleanup (``remove_dead_arenas``, which the vLLM adapter runs) removes
     only the dead one."""
-    from kvstrata.tiers.memory import remove_dead_arenas
+    from kvstrata.tiers.arena import remove_dead_arenas
 
     live = tmp_path / f"kvstrata-{_dead_pid()}-0123abcd"
     dead = tmp_path / f"kvstrata-{_dead_pid()}-4567cdef"
