@@ -61,7 +61,7 @@ def replay(cfg: StrataConfig, conversations: int) -> Report:
             hit = store.lookup(NS, tokens, pin=True)
             loaded = torch.empty((hit.num_blocks, BLOCK_BYTES), dtype=torch.uint8)
             n_ok = store.load(hit, loaded)
-            store.release(hit)
+            store.complete_load(hit)
             load_s += time.perf_counter() - t
             if n_ok and not np.array_equal(loaded[:n_ok].numpy(), prefill(hit.chain.keys[:n_ok]).numpy()):
                 totals["mismatches"] += 1

@@ -407,7 +407,7 @@ class Actor:
         payload = torch.from_numpy(payloads_of(chain.keys))
         self.tally.add("saves")
         if sync:
-            return self.store.put(ns, epoch, chain, payload)
+            return self.store.save(ns, epoch, chain, payload, wait=True)
         self.store.save(ns, epoch, chain, payload)
         return 0
 
@@ -426,7 +426,7 @@ class Actor:
             out.fill(SENTINEL)
             got = self.store.load(hit, torch.from_numpy(out))
         finally:
-            self.store.release(hit)
+            self.store.complete_load(hit)
         self.tally.add("loads")
         self.tally.add("hit_blocks", n)
         self.tally.add("loads_checked", got)
@@ -564,7 +564,7 @@ class Actor:
                 self.tally.event("lost_tails", 1, f"pinned tail {tail_b} after {prefix} not found for "
                                                   f"{query.tolist()} ({again.num_tokens} of {len(b)} tokens)")
         finally:
-            self.store.release(hit)
+            self.store.complete_load(hit)
 
 
 def _alive(pid: int) -> bool:
