@@ -102,7 +102,10 @@ class RankHarness:
     def pinned(self, prompt: list[int]) -> list[bool]:
         """Per stored block of ``prompt``: is its index row pinned?"""
         keys = self.store.lookup(self.side.ns, prompt).chain.keys
-        return [self.store.index.pinned(int(row)) for row in self.store.index.rows_of(keys)]
+        idx = self.store.index
+        with idx._lock:  # the index's own view: expired leases released first, as its calls do
+            idx._expire_leases()
+            return [bool(idx._pins[int(row)]) for row in idx.rows_of(keys)]
 
 
 @pytest.fixture
