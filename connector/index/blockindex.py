@@ -207,16 +207,6 @@ class BlockIndex(Table):
             if not self._tiers[row] and not self._pins[row]:
                 self._remove(row)
 
-    def drop_key(self, key: bytes) -> int | None:
-        """Old test-only name (tests/test_remote.py at HEAD); goes once that test's drop_tier is committed."""
-        with self._lock:
-            row = self._rows.get(key[: self._key_bytes])
-            if row is not None:
-                self._tiers[row] = 0
-                if not self._pins[row]:
-                    self._remove(row)
-            return row
-
     # -------------------------------------------------------------- pins, LRU
     def _pin(self, rows: np.ndarray, lease_s: float | None) -> int:
         """Protect ``rows`` from eviction until ``unpin`` or the lease expires. Returns a lease id."""
@@ -244,11 +234,6 @@ class BlockIndex(Table):
         now = time.monotonic()
         for lease in [k for k, v in self._leases.items() if v.deadline < now]:
             self._release(self._leases.pop(lease).rows)
-
-    def pinned(self, row: int) -> bool:
-        with self._lock:
-            self._expire_leases()
-            return bool(self._pins[row])
 
     def lru_victims(self, tier_bit: int, n: int) -> list[int]:
         """Up to ``n`` unpinned rows of a tier, least recently used first."""

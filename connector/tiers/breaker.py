@@ -38,11 +38,6 @@ class Breaker:
         self._backoff = cfg.reset_ms / 1000
         self._probing = False
 
-    @property
-    def is_open(self) -> bool:
-        with self._lock:
-            return self._open_until > 0
-
     def _allow(self) -> bool:
         with self._lock:
             if not self._open_until:

@@ -29,7 +29,6 @@ import torch
 from ..index import EntryMeta
 from ..metrics import Counters
 from .arena import Prefaulter, create_shared_arena, release_shared_arena
-from .arena import attach_shared_arena, remove_dead_arenas  # noqa: F401  # old path, until adapters.vllm imports .arena
 from .base import BlockTier
 
 log = logging.getLogger(__name__)
