@@ -635,12 +635,13 @@ def _files_bytes(blocks: Path) -> int | None:
     return sum(size for _, size in first) if walk() == first else None
 
 
-@pytest.mark.parametrize("path", ["write_through", "put_direct"])
+@pytest.mark.parametrize("path", ["write_through", "direct"])
 def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
     """Scenario: ``l2.size`` holds 8 blocks; prompts of 6 blocks are saved one after another
-    (write-through from L1, or ``put_direct`` from the caller's memory) on a slow disk (20 ms
-    per block). A sampler walks the folder meanwhile: the bytes of the files in it (temp files
-    included) never exceed ``l2.size`` at any observed instant, and the last prompt is on disk."""
+    (write-through from L1, or a ``save`` of ``ByteRuns`` straight from the caller's memory) on
+    a slow disk (20 ms per block). A sampler walks the folder meanwhile: the bytes of the files in
+    it (temp files included) never exceed ``l2.size`` at any observed instant, and the last
+    prompt is on disk."""
     ns = make_namespace()
     cost = HEADER_SIZE + BLOCK_BYTES
     cfg = make_config(tmp_path, **{"l2.size": 8 * cost, "testing.l2_write_delay_ms": 20})
@@ -661,7 +662,7 @@ def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
                 tokens = random_tokens(f"cap-{i}", 6 * BLOCK_SIZE)
                 epoch, chain = store.chain(ns, tokens)
                 data = payloads_for(chain)
-                if path == "put_direct":
+                if path == "direct":
                     runs = ByteRuns(BLOCK_BYTES, lambda k: [memoryview(data[k].numpy())])
                     assert store.save(ns, epoch, chain, runs, wait=True) == 6
                 else:

@@ -22,7 +22,7 @@ import torch
 
 from ..config import StrataConfig
 from ..epochs import EpochStore
-from ..index import BlockIndex, EntryMeta
+from ..index import BlockIndex
 from ..keys import NO_EXTRA, BlockChain, Namespace
 from ..metrics import Counters
 from ..tiers import BlockTier, DiskTier, MemoryTier
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 
 class BlockStore:
+    """The store protocol (see ``protocol.py``) over one index, L1 and the backing tiers."""
+
     def __init__(self, config: StrataConfig | None = None, *, l1_slot_bytes: int = 0,
                  l1_shared_path: str | None = None) -> None:
         """``l1_shared_path`` puts the L1 arena in a file other local processes can map (the
@@ -228,42 +230,3 @@ class BlockStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---------------------------------- transitional names, until callers switch
-    def release(self, hit: Hit) -> None:
-        self.complete_load(hit)
-
-    def put(self, ns: Namespace, epoch: int, chain: BlockChain, payloads: Payloads) -> int:
-        return self.save(ns, epoch, chain, payloads, wait=True)
-
-    def stage(self, hit: Hit) -> int:
-        return self.load(hit)
-
-    def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor]) -> int:
-        return self.writer.write_backing(metas, payloads)
-
-    def reserve(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
-        return self.prepare_store(ns, epoch, chain, size)
-
-    def commit(self, res: Reservation) -> int:
-        return self.complete_store(res)
-
-    def abort(self, res: Reservation) -> None:
-        self.complete_store(res, False)
-
-    def commit_written(self, res: Reservation) -> int:
-        return self.complete_store(res, wait=True)
-
-    def load_direct(self, hit: Hit, dest: Callable[[int], Sequence[memoryview]],
-                    from_l1: Callable[[int, int], None]) -> int:
-        return self.load(hit, ByteRuns(0, dest, from_l1))
-
-    def put_direct(self, ns: Namespace, epoch: int, chain: BlockChain, size: int,
-                   src: Callable[[int], Sequence[memoryview]]) -> int:
-        return self.save(ns, epoch, chain, ByteRuns(size, src), wait=True)
-
-    def l1_slots(self, hit: Hit) -> list[int | None]:
-        return self.arena.slots(hit)
-
-    def submit(self, n_blocks: int, job: Callable[[], None], on_fail: Callable[[], None] | None = None) -> bool:
-        return self.parts.saver.submit(n_blocks, job, on_fail)

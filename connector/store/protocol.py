@@ -80,8 +80,9 @@ class ByteRuns(NamedTuple):
 
 class Arena:
     """Read-only view of the L1 arena, for engine glue that moves KV in and out of its slots
-    itself: vLLM's workers map it by ``path``; SGLang scatters and gathers its host pool from
-    ``data``. Which slots a hit occupies is ``slots(hit)``; a reservation's are ``res.slots``."""
+    itself: vLLM's workers map its shared file (``BlockStore(l1_shared_path=...)``); SGLang
+    scatters and gathers its host pool from ``data``. Which slots a hit occupies is
+    ``slots(hit)``; a reservation's are ``res.slots``."""
 
     __slots__ = ("_l1",)
 
@@ -89,17 +90,8 @@ class Arena:
         self._l1 = l1
 
     @property
-    def path(self) -> str | None:
-        """The shared file other processes map, or None when the arena is private."""
-        return self._l1.shared_path
-
-    @property
     def num_slots(self) -> int:
         return self._l1.num_slots
-
-    @property
-    def slot_bytes(self) -> int:
-        return self._l1.slot_bytes
 
     @property
     def capacity_bytes(self) -> int:
