@@ -136,8 +136,7 @@ class DiskTier(BlockTier):
         when ``l2.size`` has no room for it."""
         if not meta.checksum:
             raise ValueError("disk writes need the payload checksum in meta")
-        if len(parts) >= IOV_MAX:
-            raise ValueError(f"{len(parts)} runs: one pwritev takes at most {IOV_MAX - 1} besides the header")
+        _check_runs(parts, "pwritev")
         h = meta.key.hex()
         final = self._file(meta.key)
         cost = HEADER_SIZE + meta.size
@@ -217,8 +216,7 @@ class DiskTier(BlockTier):
     def read_views(self, meta: EntryMeta, parts: Sequence[memoryview]) -> bool:
         """``read`` into consecutive runs (writable, ``meta.size`` bytes in all): one ``preadv``
         and a streaming checksum over the runs. On failure the runs hold garbage: never use them."""
-        if len(parts) >= IOV_MAX:
-            raise ValueError(f"{len(parts)} runs: one preadv takes at most {IOV_MAX - 1} besides the header")
+        _check_runs(parts, "preadv")
         path = self._file(meta.key)
         header = bytearray(HEADER_SIZE)
         opened = self._open_block(meta.key)
@@ -374,3 +372,6 @@ class DiskTier(BlockTier):
         return self._capacity
 
 
+def _check_runs(parts: Sequence[memoryview], call: str) -> None:
+    if len(parts) >= IOV_MAX:  # the header takes one buffer of the call too
+        raise ValueError(f"{len(parts)} runs: one {call} takes at most {IOV_MAX - 1} besides the header")
