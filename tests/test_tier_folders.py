@@ -639,12 +639,12 @@ def _files_bytes(blocks: Path) -> int | None:
 def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
     """Scenario: ``l2.size`` holds 8 blocks; prompts of 6 blocks are saved one after another
     (write-through from L1, or a ``save`` of ``ByteRuns`` straight from the caller's memory) on
-    a slow disk (20 ms per block). A sampler walks the folder meanwhile: the bytes of the files in
+    a slow disk (40 ms per block: time for the sampler's walks even on a busy machine). A sampler walks the folder meanwhile: the bytes of the files in
     it (temp files included) never exceed ``l2.size`` at any observed instant, and the last
     prompt is on disk."""
     ns = make_namespace()
     cost = HEADER_SIZE + BLOCK_BYTES
-    cfg = make_config(tmp_path, **{"l2.size": 8 * cost, "testing.l2_write_delay_ms": 20})
+    cfg = make_config(tmp_path, **{"l2.size": 8 * cost, "testing.l2_write_delay_ms": 40})
     peak, samples, stop = [0], [0], threading.Event()
 
     def sample(blocks: Path) -> None:
@@ -672,14 +672,9 @@ def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
             sampler.join()
         assert store.l2.used_bytes <= 8 * cost
         last = [store.l2.path(k) for k in chain.keys]
-    assert samples[0] >= 10, "the sampler observed too few instants to tell"
+    assert samples[0] >= 5, "the sampler observed too few instants to tell"
     assert peak[0] <= 8 * cost, f"L2 held {peak[0]} bytes, l2.size is {8 * cost}"
     assert all(p.exists() for p in last)
-
-
-if __name__ == "__main__":
-    if sys.argv[1] == "full-disk":
-        _full_disk_child(Path(sys.argv[2]))
 
 
 # ---------------------------------------------------------------- the epochs folder, planted
@@ -742,3 +737,8 @@ def test_shared_folder_epochs_carry_the_groups_bits(tmp_path):
     assert stat.S_IMODE(folder.stat().st_mode) & 0o070 == 0o070
     for name in (ns.seed.hex(), f"{ns.seed.hex()}.retired"):
         assert stat.S_IMODE((folder / name).stat().st_mode) & 0o040, name
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "full-disk":
+        _full_disk_child(Path(sys.argv[2]))
