@@ -16,12 +16,14 @@ import sys
 from typing import Any, Callable, Sequence
 
 from .config import ConfigError, load_config
+from .keys import Namespace
 from .store import BlockStore
 
 log = logging.getLogger("kvstrata")
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 DESCRIPTION = ("kvstrata: a tiered KV-cache store for vLLM and SGLang. Inspect, check and clean a store; "
                "benchmark, simulate, estimate and demonstrate it.")
+JSON_HELP = "print one JSON object instead of tables (for scripts; keys are kept across versions)"
 # Subcommands a tool module implements whole: ``add_arguments(parser)`` and ``run(args) -> exit code``.
 TOOLS = {"bench decode": "kvstrata.tools.bench.decode", "bench serve": "kvstrata.tools.bench.serve",
          "bench identity": "kvstrata.tools.bench.identity", "estimate": "kvstrata.tools.estimate",
@@ -57,24 +59,10 @@ def stats(args: argparse.Namespace) -> int:
         print(json.dumps(data))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console()
-    table = Table(title="kvstrata tiers")
-    for col in ("tier", "blocks", "bytes", "capacity"):
-        table.add_column(col)
-    for name, t in data["tiers"].items():  # type: ignore[union-attr]
-        table.add_row(name, str(t["blocks"]), str(t["bytes"]), str(t["capacity_bytes"]))
-    console.print(table)
-    spaces = Table(title="namespaces")
-    for col in ("namespace", "generation", "current generation", "blocks", "bytes"):
-        spaces.add_column(col)
-    current = data["current_epochs"]
-    for ns, epochs in data["namespaces"].items():  # type: ignore[union-attr]
-        for epoch, v in sorted(epochs.items()):
-            spaces.add_row(ns, epoch, str(current.get(ns, "-")), str(v["blocks"]), str(v["bytes"]))  # type: ignore[union-attr]
-    console.print(spaces)
-    console.print({"counters": data["counters"]})
+    from .stats_view import render
+
+    render(data, Console())
     return 0
 
 
@@ -93,17 +81,46 @@ def check(args: argparse.Namespace) -> int:
 
 @command("invalidate")
 def invalidate(args: argparse.Namespace) -> int:
+    if not (args.namespace or args.model or args.all):
+        print("kvstrata invalidate: say what to invalidate: --model NAME_OR_PATH, --namespace ID "
+              "(ids from `kvstrata stats`) or --all", file=sys.stderr)
+        return 2
     with _open(args) as store:
-        known = {seed[:8].hex(): seed for seed in store.namespaces()}
-        wanted = args.namespace or list(known)
-        unknown = [ns for ns in wanted if ns not in known]
-        if unknown:
-            print(f"unknown namespace(s): {', '.join(unknown)}; known: {', '.join(known) or 'none'}",
-                  file=sys.stderr)
+        wanted = _chosen(store, args)
+        if wanted is None:
             return 2
-        for ns in wanted:
-            print(f"{ns}: new generation {store.invalidate(known[ns]):016x}")
+        if not wanted:
+            print("no namespaces stored: nothing to invalidate")
+        for ns_id, (seed, ns) in wanted.items():
+            print(f"{ns_id}: new generation {store.invalidate(seed):016x}")
+            if ns is not None:
+                print(f"    model {ns.model}, weights {ns.model_version}, dtype {ns.kv_dtype}, "
+                      f"tenant {ns.tenant or '-'}")
     return 0
+
+
+def _chosen(store: BlockStore, args: argparse.Namespace) -> dict[str, tuple[bytes, Namespace | None]] | None:
+    """The namespaces ``invalidate`` bumps (id -> seed and descriptor), or None after printing why
+    a namespace id or a model named on the command line matches nothing."""
+    from .describe import matches_model
+
+    known = {seed[:8].hex(): seed for seed in store.namespaces()}
+    described = store.descriptors(known.values())
+    unknown = [ns_id for ns_id in args.namespace or () if ns_id not in known]
+    if unknown:
+        print(f"unknown namespace(s): {', '.join(unknown)}; known: {', '.join(known) or 'none'}", file=sys.stderr)
+        return None
+    ids = list(known) if args.all else list(dict.fromkeys(args.namespace or ()))
+    for model in args.model or ():
+        found = [seed[:8].hex() for seed, ns in described.items() if matches_model(ns, model)]
+        if not found:
+            models = sorted({ns.model for ns in described.values()})
+            print(f"unknown model: {model}; models with stored namespaces: {', '.join(models) or 'none'}"
+                  + (" (namespaces without a descriptor can be named with --namespace)"
+                     if len(described) < len(known) else ""), file=sys.stderr)
+            return None
+        ids += [ns_id for ns_id in found if ns_id not in ids]
+    return {ns_id: (known[ns_id], described.get(known[ns_id])) for ns_id in ids}
 
 
 @command("gc")
@@ -187,7 +204,8 @@ def _named(argv: Sequence[str]) -> str:
 
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The whole command line; only the subcommand named in ``argv`` gets a tool module's flags."""
-    p = argparse.ArgumentParser(prog="kvstrata", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="kvstrata", description=DESCRIPTION,
+                                epilog="`kvstrata COMMAND --help` shows a command's options.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = p.add_subparsers(dest="cmd", required=True)
     wanted = _named(argv)
@@ -203,29 +221,37 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         sp.add_argument("--config", help="YAML config (default: $KVSTRATA_CONFIG, else embedded)")
         return sp
 
-    cfg = add(sub, "config", "configuration tools").add_subparsers(dest="sub", required=True)
-    add(cfg, "config check", "validate a config file").add_argument("file")
-    with_config(add(sub, "stats", "blocks and bytes per tier, namespace, epoch")).add_argument(
-        "--json", action="store_true")
-    chk = with_config(add(sub, "check", "integrity scan of the disk tier"))
+    cfg = add(sub, "config", "check a config file before starting an engine")
+    checks = cfg.add_subparsers(dest="sub", required=True)
+    add(checks, "config check", "validate a config file (exit 2 with the reasons if it is wrong)").add_argument(
+        "file", help="the YAML file")
+    with_config(add(sub, "stats", "what is stored: size per tier, and per model (namespace)")).add_argument(
+        "--json", action="store_true", help=JSON_HELP)
+    chk = with_config(add(sub, "check", "verify every block on the disk tier (exit 1 if any is bad)"))
     chk.add_argument("--fix", action="store_true", help="delete bad blocks and leftovers")
-    chk.add_argument("--json", action="store_true")
-    with_config(add(sub, "invalidate", "bump namespace epochs")).add_argument(
-        "--namespace", action="append", help="namespace id (see stats); default: all")
-    with_config(add(sub, "gc", "reclaim old epochs, enforce capacities"))
-    bench = add(sub, "bench", "benchmarks").add_subparsers(dest="sub", required=True)
+    chk.add_argument("--json", action="store_true", help=JSON_HELP)
+    inv = with_config(add(sub, "invalidate", "stop serving a model's stored KV (e.g. after a weight update)"))
+    inv.add_argument("--model", action="append", metavar="NAME_OR_PATH",
+                     help="every namespace of this model, as the engine was given it (repeatable)")
+    inv.add_argument("--namespace", action="append", metavar="ID", help="one namespace, by its id in "
+                     "`kvstrata stats` (repeatable)")
+    inv.add_argument("--all", action="store_true", help="every namespace in the store")
+    with_config(add(sub, "gc", "delete blocks of replaced generations, trim tiers to their sizes"))
+    benches = add(sub, "bench", "benchmarks: store, ttft, decode, serve, identity, remote")
+    bench = benches.add_subparsers(dest="sub", required=True)
     bs = add(bench, "bench store", "store micro-benchmark against raw baselines")
     bs.add_argument("--quick", action="store_true", help="finish in under 30 s")
     bs.add_argument("--json", action="store_true", help="only the JSON line")
-    rp = with_config(add(sub, "replay", "chat traffic through the store alone, two processes"))
-    rp.add_argument("--conversations", type=int, default=40)
+    rp = with_config(add(sub, "replay", "replay chat traffic through the store alone (two processes), "
+                             "checking every served block"))
+    rp.add_argument("--conversations", type=int, default=40, help="conversations to replay (default 40)")
     add(bench, "bench ttft", "TTFT cold vs native, L1, L2, peer and LMCache hits on one engine")
     add(bench, "bench decode", "decode throughput with a slow disk tier, beside no connector")
     add(bench, "bench serve", "trace replay against real servers, beside the baselines")
     add(bench, "bench identity", "model identity cost at start: cold and cached")
     br = add(bench, "bench remote", "the Redis tier beside raw redis-py, invalidation latency")
     br.add_argument("--url", default=None, help="an existing server (default: start a private one)")
-    br.add_argument("--quick", action="store_true")
+    br.add_argument("--quick", action="store_true", help="fewer rounds")
     br.add_argument("--json", action="store_true", help="only the JSON line (the default output)")
     sm = add(sub, "simulate", "capacity planning: a trace through the real index and LRU")
     sm.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
@@ -235,14 +261,14 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     sm.add_argument("--block-bytes", default="6MiB",
                     help="KV bytes of one 512-token trace block (default 6MiB: Qwen2-0.5B in bf16)")
     sm.add_argument("--requests", type=int, default=0, help="replay only this many requests")
-    sm.add_argument("--start", type=int, default=0)
-    sm.add_argument("--json", action="store_true")
+    sm.add_argument("--start", type=int, default=0, help="skip this many requests first")
+    sm.add_argument("--json", action="store_true", help=JSON_HELP)
     add(sub, "estimate", "predicted TTFT and throughput gains from measured inputs")
-    dm = add(sub, "demo", "the main job: vLLM with kvstrata, cold vs reloaded after a restart")
+    dm = add(sub, "demo", "vLLM with kvstrata: a prompt cold, then reloaded from disk after a restart")
     dm.add_argument("--model", required=True, help="model folder (examples/make_tiny_model.py builds one)")
     dm.add_argument("--config", default=None, help="kvstrata YAML (default: the embedded default)")
-    dm.add_argument("--prompt-tokens", type=int, default=3000)
-    add(sub, "torture", "several processes try to make the store serve wrong or stale KV")
+    dm.add_argument("--prompt-tokens", type=int, default=3000, help="prompt length (default 3000)")
+    add(sub, "torture", "stress test: several processes try to make the store serve wrong or stale KV")
     return p
 
 

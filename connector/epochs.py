@@ -1,7 +1,8 @@
 """epochs.py: namespace epochs (``EpochStore``: ``get``, ``bump``; ``MemoryEpochs``, ``FileEpochs``)
 and ``Retired``, the generations seen replaced. Bumping an epoch hides every older entry of that
-namespace at once. (Over 300 lines: the rules below and the two stores here that follow them, most
-of it ``FileEpochs`` on a folder other processes write too.)
+namespace at once. Each store also keeps the namespaces' descriptors (``describe``, ``descriptor``;
+see ``describe.py``) beside the generations. (Over 300 lines: the rules below and the two stores
+here that follow them, most of it ``FileEpochs`` on a folder other processes write too.)
 
 An epoch is a *generation*: a random non-zero 64-bit id, not a counter. The current generation is
 part of block -1's key (see keys.root_key), so after a bump no key of an older generation is ever
@@ -36,6 +37,8 @@ import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from pathlib import Path
+
+from .describe import MAX_BYTES as _MAX_DESCRIPTOR, SUFFIX as _DESCRIPTOR_SUFFIX
 
 log = logging.getLogger(__name__)
 MAX_GENERATION = (1 << 64) - 1
@@ -159,6 +162,24 @@ def _write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
         raise
 
 
+def read_descriptor(root: Path, ns_seed: bytes) -> bytes | None:
+    """A namespace's descriptor file in ``root`` as stored (untrusted, at most one byte over the
+    limit, so that an oversized one shows): None if there is none, ``b""`` if what is there is
+    not a readable regular file (a planted link, FIFO or folder)."""
+    try:
+        return _read_head(root / f"{ns_seed.hex()}{_DESCRIPTOR_SUFFIX}", _MAX_DESCRIPTOR + 1)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return b""
+
+
+def write_descriptor(root: Path, ns_seed: bytes, blob: bytes, mode: int) -> None:
+    """Replace the descriptor file atomically, unless it already holds ``blob``. Raises OSError."""
+    if read_descriptor(root, ns_seed) != blob:  # every instance describes at start: write once
+        _write_atomic(root / f"{ns_seed.hex()}{_DESCRIPTOR_SUFFIX}", blob.decode("ascii"), mode)
+
+
 class EpochStore(ABC):
     """Current generation per namespace. ``get`` never returns a retired generation."""
 
@@ -174,6 +195,15 @@ class EpochStore(ABC):
         """Namespace seeds this store has a generation for."""
         return []
 
+    @abstractmethod
+    def describe(self, ns_seed: bytes, blob: bytes) -> None:
+        """Keep a namespace's descriptor (``describe.encode``) beside its generation. Best
+        effort: a failure is logged, never raised (it costs names in ``stats``, not hits)."""
+
+    @abstractmethod
+    def descriptor(self, ns_seed: bytes) -> bytes | None:
+        """The descriptor kept for a namespace, as stored: untrusted, ``describe.decode`` it."""
+
     def close(self) -> None:
         """Stop background work (subscribers); generations already written stay."""
 
@@ -184,6 +214,7 @@ class MemoryEpochs(EpochStore):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._epochs: dict[bytes, int] = {}
+        self._descriptors: dict[bytes, bytes] = {}
 
     def get(self, ns_seed: bytes) -> int:
         with self._lock:
@@ -200,6 +231,14 @@ class MemoryEpochs(EpochStore):
     def known(self) -> list[bytes]:
         with self._lock:
             return list(self._epochs)
+
+    def describe(self, ns_seed: bytes, blob: bytes) -> None:
+        with self._lock:
+            self._descriptors[ns_seed] = blob
+
+    def descriptor(self, ns_seed: bytes) -> bytes | None:
+        with self._lock:
+            return self._descriptors.get(ns_seed)
 
 
 class FileEpochs(EpochStore):
@@ -307,6 +346,15 @@ class FileEpochs(EpochStore):
         with self._lock:
             self._cache.pop(ns_seed, None)
         return gen
+
+    def describe(self, ns_seed: bytes, blob: bytes) -> None:
+        try:
+            write_descriptor(self._root, ns_seed, blob, self._file_mode)
+        except OSError as e:
+            log.warning("kvstrata epochs: cannot record what namespace %s is in %s: %s", ns_seed.hex(), self._root, e)
+
+    def descriptor(self, ns_seed: bytes) -> bytes | None:
+        return read_descriptor(self._root, ns_seed)
 
     def known(self) -> list[bytes]:
         out = []

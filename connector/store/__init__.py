@@ -10,17 +10,22 @@ It composes one part per concern, each in its own module:
 - ``write.py``: ``prepare_store`` / ``complete_store`` and ``save``.
 - ``evict.py``: L1 slots by LRU eviction and demotion, tier capacities, ``gc``.
 - ``saver.py``: the bounded background queue and its threads.
+
+``describe`` and ``descriptors`` (what a namespace is, kept beside its epoch) are here: they are
+start-up and CLI calls, done through the epoch store (``describe.py`` says what is kept).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Literal, Sequence, overload
+from dataclasses import asdict
+from typing import Callable, Iterable, Literal, Sequence, overload
 
 import numpy as np
 import torch
 
 from ..config import StrataConfig
+from ..describe import MAX_BYTES as DESCRIPTOR_MAX, decode as decode_descriptor, encode as encode_descriptor
 from ..epochs import EpochStore
 from ..index import BlockIndex
 from ..keys import NO_EXTRA, BlockChain, Namespace
@@ -202,6 +207,38 @@ class BlockStore:
     def namespaces(self) -> list[bytes]:
         return self.evictor.namespaces()
 
+    def describe(self, ns: Namespace) -> None:
+        """Record what ``ns`` is (model, weights version, KV dtype, layout, tenant) beside its epoch,
+        where every store sharing the epochs reads it: ``kvstrata stats`` names the model, and
+        ``kvstrata invalidate --model`` finds the namespace. Adapters call it once at start (it
+        also creates the namespace's epoch, so the namespace is listed before its first block);
+        never on a lookup or save path. Never raises: a failure is logged and costs names only."""
+        blob = encode_descriptor(ns)
+        self.parts.epochs.get(ns.seed)
+        if blob is None:
+            log.warning("kvstrata: namespace %s is too large to describe (over %d bytes); stats will "
+                        "show its id only", ns.id, DESCRIPTOR_MAX)
+            return
+        self.parts.epochs.describe(ns.seed, blob)
+
+    def descriptors(self, seeds: Iterable[bytes] | None = None) -> dict[bytes, Namespace]:
+        """The recorded namespaces, by seed (default: every namespace the store knows), read back
+        as untrusted input: a descriptor that does not hash to its namespace is skipped, logged and
+        counted (``bad_descriptors``)."""
+        out: dict[bytes, Namespace] = {}
+        for seed in self.namespaces() if seeds is None else seeds:
+            raw = self.parts.epochs.descriptor(seed)
+            if raw is None:
+                continue
+            ns = decode_descriptor(raw, seed)
+            if ns is None:
+                self.parts.counters.inc("bad_descriptors")
+                log.warning("kvstrata: ignoring the descriptor of namespace %s: %d bytes that do not describe "
+                            "it (damaged, or not written by kvstrata)", seed[:8].hex(), len(raw))
+            else:
+                out[seed] = ns
+        return out
+
     def stats(self) -> dict[str, object]:
         p = self.parts
         tiers = {t.name: {"blocks": 0, "bytes": 0, "capacity_bytes": t.capacity_bytes} for t in p.tiers}
@@ -215,9 +252,11 @@ class BlockStore:
                 if bits & t.bit:
                     tiers[t.name]["blocks"] += 1
                     tiers[t.name]["bytes"] += meta.size
-        current = {s[:8].hex(): f"{p.epochs.get(s):016x}" for s in self.namespaces()}
+        seeds = self.namespaces()
+        current = {s[:8].hex(): f"{p.epochs.get(s):016x}" for s in seeds}
+        described = {s[:8].hex(): asdict(ns) for s, ns in self.descriptors(seeds).items()}
         return {"tiers": tiers, "namespaces": spaces, "current_epochs": current,
-                "counters": p.counters.snapshot()}
+                "descriptors": described, "counters": p.counters.snapshot()}
 
     def close(self) -> None:
         self.parts.saver.close()

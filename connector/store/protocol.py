@@ -16,6 +16,8 @@
 - ``complete_store(res, success)``: publishes them (and writes them through) or gives them back.
 - ``save(ns, epoch, chain, src)``: the one-call write of the same path: tensors staged through
   L1, or ``ByteRuns`` straight to disk; queued, or with ``wait=True`` synchronous.
+- ``describe(ns)``: records what a namespace is (model, weights version, dtype, layout, tenant)
+  beside its epoch, once at start, for ``kvstrata stats`` and ``invalidate --model``.
 - ``stored_mask``, ``invalidate``, ``gc``, ``stats``, ``flush``, ``close``; ``arena`` is a
   read-only view of the L1 arena for engines that copy KV in and out of its slots themselves.
 

@@ -1,6 +1,7 @@
 """tiers/redis_epochs.py: ``RedisEpochs``, the namespace generations (``epochs``) of the Redis
 tier: one key per namespace, ``P:epoch:<ns hex>``, and bumps announced on ``P:epochs`` (``P`` is
-``remote.key_prefix``).
+``remote.key_prefix``). Beside each, ``P:ns:<ns hex>`` holds the namespace's descriptor (see
+``describe``), so that ``kvstrata stats`` on any host names the model.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import time
 from pathlib import Path
 
 from ..config import RemoteConfig
-from ..epochs import EpochStore, Retired, new_generation, parse_generation
+from ..describe import MAX_BYTES as _MAX_DESCRIPTOR
+from ..epochs import EpochStore, Retired, new_generation, parse_generation, read_descriptor, write_descriptor
 from .redis import RedisTier
 from .redis_client import connect, is_wrong_type, service_errors, shown
 
@@ -53,6 +55,7 @@ class RedisEpochs(EpochStore):
         self._lock = threading.Lock()
         self._known: dict[bytes, tuple[int, float]] = {}
         self.retired = Retired(floor)
+        self._floor = floor
         self._channel = f"{cfg.key_prefix}:epochs"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._listen, name="kvstrata-epochs", daemon=True)
@@ -131,6 +134,38 @@ class RedisEpochs(EpochStore):
             log.warning("kvstrata remote: epoch announcement failed (%s); other instances see the "
                         "new generation within remote.invalidation_ms", e)
         return gen
+
+    def describe(self, ns_seed: bytes, blob: bytes) -> None:
+        """In Redis, for every host, and in the local floor, for this one when Redis is away."""
+        if self._floor is not None:
+            try:
+                write_descriptor(self._floor, ns_seed, blob, 0o600)
+            except OSError as e:
+                log.warning("kvstrata epochs: cannot record what namespace %s is in %s: %s", ns_seed.hex(),
+                            self._floor, e)
+        key = f"{self._cfg.key_prefix}:ns:{ns_seed.hex()}"
+        if self._tier.breaker.call(lambda: self._tier.client.set(key, blob), None) is None:
+            log.warning("kvstrata remote: cannot record what namespace %s is in Redis (unreachable); "
+                        "other hosts' `kvstrata stats` will show its id only", ns_seed.hex())
+
+    def descriptor(self, ns_seed: bytes) -> bytes | None:
+        """Redis's copy, else the local floor's. A key of another type is counted and skipped."""
+        key = f"{self._cfg.key_prefix}:ns:{ns_seed.hex()}"
+
+        def read() -> bytes | None:
+            try:
+                return self._tier.client.getrange(key, 0, _MAX_DESCRIPTOR) or None  # b"": missing
+            except Exception as e:
+                if not is_wrong_type(e):
+                    raise
+                self._tier.reject("remote_wrong_type", "%s is a %s, not a namespace descriptor", key,
+                                  shown(self._tier.client.type(key)))
+                return None
+
+        raw = self._tier.breaker.call(read, None)
+        if raw is None and self._floor is not None:
+            return read_descriptor(self._floor, ns_seed)
+        return raw
 
     def known(self) -> list[bytes]:
         names = self._tier.breaker.call(

@@ -1,0 +1,91 @@
+"""stats_view.py: ``kvstrata stats`` for a person (``render``): sizes in binary units
+(``size_text``: ``1.2 GiB``), each namespace named by its model, weights version, KV dtype, layout and
+tenant (its descriptor, see ``describe``), and the counters that are not zero.
+
+It reads only the dict ``BlockStore.stats()`` returns (what ``stats --json`` prints), so the two
+outputs cannot disagree. Namespaces are printed as blocks of lines rather than table columns: a
+model path and a layout are long, and a table squeezed into 80 columns would cut them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+UNBOUNDED = 1 << 60  # a capacity at least this large is "no limit" (the Redis tier's own maxmemory rules)
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+_NO_DESCRIPTOR = "(model unknown: no descriptor; it is written when an engine starts on this namespace)"
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches, one decimal: ``512 B``, ``1.2 GiB``."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in _UNITS:
+        value /= 1024
+        if value < 1024 or unit == _UNITS[-1]:
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def render(data: Mapping[str, Any], console: Console) -> None:
+    console.print(_tiers(data["tiers"]))
+    described = data.get("descriptors", {})
+    current, spaces = data["current_epochs"], data["namespaces"]
+    ids = sorted(set(spaces) | set(current),
+                 key=lambda ns_id: (ns_id not in described, described.get(ns_id, {}).get("model", ""), ns_id))
+    console.print(Text(f"\nnamespaces: {len(ids)}", style="bold"))
+    for ns_id in ids:
+        for line in _namespace_lines(ns_id, described.get(ns_id), current.get(ns_id), spaces.get(ns_id, {})):
+            console.print(Text(line), soft_wrap=True)  # soft_wrap: a long path stays on one line
+    counters = {k: v for k, v in data["counters"].items() if v}
+    if counters:
+        console.print()
+        table = Table(title="counters of this command (an engine's own are in its /metrics)")
+        table.add_column("counter")
+        table.add_column("value", justify="right")
+        for name, value in counters.items():
+            table.add_row(Text(name), size_text(value) if "bytes" in name else str(value))
+        console.print(table)
+
+
+def _tiers(tiers: Mapping[str, Mapping[str, int]]) -> Table:
+    table = Table(title="kvstrata tiers")
+    for col, justify in (("tier", "left"), ("blocks", "right"), ("used", "right"), ("capacity", "right"),
+                         ("full", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for name, t in tiers.items():
+        cap = t["capacity_bytes"]
+        bounded = 0 < cap < UNBOUNDED
+        table.add_row(Text(name), str(t["blocks"]), size_text(t["bytes"]),
+                      size_text(cap) if bounded else "no limit",
+                      f"{100 * t['bytes'] / cap:.0f}%" if bounded else "-")
+    return table
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
+def _namespace_lines(ns_id: str, d: Mapping[str, Any] | None, gen: str | None,
+                     epochs: Mapping[str, Mapping[str, int]]) -> list[str]:
+    live = epochs.get(gen or "", {"blocks": 0, "bytes": 0})
+    old = [v for e, v in epochs.items() if e != gen]
+    stored = f"{_blocks(live['blocks'])}, {size_text(live['bytes'])} (generation {gen or '-'})"
+    if old:
+        stored += (f"; {_blocks(sum(v['blocks'] for v in old))}, {size_text(sum(v['bytes'] for v in old))} "
+                   "of older generations, never served again (`kvstrata gc` reclaims them)")
+    lines = [f"  {ns_id}  {d['model'] if d else _NO_DESCRIPTOR}", f"    stored     {stored}"]
+    if d:
+        extra = "".join(f", {k} {v}" for k, v in sorted(d["extra"].items()))
+        lines += [f"    weights    {d['model_version']}",
+                  f"    dtype      {d['kv_dtype']}",
+                  f"    layout     {d['layout']}",
+                  f"    tenant     {d['tenant'] or '-'}",
+                  f"    engine     {d['engine']}: {d['block_size']}-token blocks, "
+                  f"rank {d['rank']} of {d['world_size']}{extra}"]
+    return lines
