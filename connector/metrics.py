@@ -1,21 +1,94 @@
-"""metrics.py: ``Counters``, the counters of one store: hits per tier, load failures, dropped
-saves, evictions, bytes moved.
+"""metrics.py: the store's telemetry. ``Counters`` (hits per tier, load failures, dropped saves,
+evictions, bytes moved), latency samples, and the tier-change listener the engines' KV events hang
+on; ``METRICS``, the engine-neutral names under which both adapters export them.
 
 One object, one lock; every component increments through ``inc``. ``snapshot()`` feeds
-``kvstrata stats``, the engines' own stats hooks and, when prometheus-client is installed,
-``register_prometheus()`` exposes the same numbers as ``kvstrata_<name>_total``.
+``kvstrata stats`` and the engines' stats hooks; ``take_samples()`` hands the latency samples
+taken since the last call to an engine's histograms; ``register_prometheus()`` exposes the
+counters as ``kvstrata_<name>_total`` in a process that runs no engine. Latencies are measured per
+call (one ``time.perf_counter`` pair), never per block.
+
+Tier changes: the write and evict paths call ``tier_changed(tier, metas, stored)`` once per batch
+of blocks committed to (``stored``) or removed from a tier; a listener set with ``listen`` hears
+them (the vLLM adapter turns them into ``BlockStored``/``BlockRemoved`` events). With no listener
+the call is one attribute test.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import Any, Callable, Literal, NamedTuple, Sequence
+
+TIERS = ("l1", "l2", "remote")  # the tier names, as the config sections name them
+MAX_SAMPLES = 4096  # per histogram and interval: a stalled scraper must not grow memory
+
+TierListener = Callable[[str, Sequence[Any], bool], None]  # (tier name, EntryMetas, stored)
+
+
+class MetricDef(NamedTuple):
+    """One exported series: ``kvstrata_<name>`` (``_total`` added to counters by the client).
+
+    ``source`` names the counter (or sample series) it is fed from; ``{tier}`` in it makes the
+    series carry a ``tier`` label, one child per tier in ``TIERS``."""
+
+    name: str
+    kind: Literal["counter", "gauge", "histogram"]
+    doc: str
+    source: str
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def per_tier(self) -> bool:
+        return "{tier}" in self.source
+
+
+_LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef("hit_blocks", "counter", "Blocks served to the engine, by the tier they came from.", "hit_blocks_{tier}"),
+    MetricDef("hit_tokens", "counter", "Prompt tokens served to the engine, by the tier they came from.",
+              "hit_tokens_{tier}"),
+    MetricDef("bytes_read", "counter", "Bytes read from a tier.", "{tier}_bytes_read"),
+    MetricDef("bytes_written", "counter", "Bytes written to a tier.", "{tier}_bytes_written"),
+    MetricDef("saved_blocks", "counter", "Blocks committed to the store (L1).", "saved_blocks"),
+    MetricDef("load_failures", "counter", "Loads that served fewer blocks than found (the engine recomputes).",
+              "load_failures"),
+    MetricDef("checksum_failures", "counter", "Blocks whose stored bytes failed their checksum.",
+              "checksum_failures"),
+    MetricDef("saves_dropped", "counter", "Blocks not saved because the save queue was full.", "saves_dropped"),
+    MetricDef("evictions", "counter", "Blocks evicted from a tier for capacity.", "{tier}_evicted"),
+    MetricDef("invalidations", "counter", "Namespace invalidations (epoch bumps).", "invalidations"),
+    MetricDef("breaker_trips", "counter", "Times the shared tier's circuit breaker opened.",
+              "{tier}_circuit_opened"),
+    MetricDef("resident_bytes", "gauge", "Bytes a tier holds now.", "{tier}_resident_bytes"),
+    MetricDef("resident_blocks", "gauge", "Blocks a tier holds now.", "{tier}_resident_blocks"),
+    MetricDef("lookup_seconds", "histogram", "Time of one lookup call (all blocks of a prompt).",
+              "lookup_seconds", _LATENCY_BUCKETS),
+    MetricDef("load_seconds", "histogram", "Time of one load call, by the tier read.", "load_seconds_{tier}",
+              _LATENCY_BUCKETS),
+    MetricDef("save_queue_wait_seconds", "histogram", "Time a save job waited in the queue before it ran.",
+              "save_queue_wait_seconds", _LATENCY_BUCKETS),
+)
+
+
+def _sources() -> dict[str, tuple[MetricDef, str]]:
+    out: dict[str, tuple[MetricDef, str]] = {}
+    for m in METRICS:
+        for tier in TIERS if m.per_tier else ("",):
+            out[m.source.format(tier=tier)] = (m, tier)
+    return out
+
+
+SOURCES = _sources()  # counter / sample name -> (the series it feeds, its tier label or "")
 
 
 class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: Counter[str] = Counter()
+        self._samples: dict[str, list[float]] = {}
+        self._listener: TierListener | None = None
 
     def inc(self, name: str, amount: int = 1) -> None:
         with self._lock:
@@ -29,8 +102,34 @@ class Counters:
         with self._lock:
             return dict(sorted(self._values.items()))
 
+    # -------------------------------------------------------------- latencies
+    def observe(self, name: str, seconds: float) -> None:
+        """One latency sample of ``name`` (a histogram source in ``METRICS``, e.g. ``load_seconds_l2``)."""
+        with self._lock:
+            samples = self._samples.setdefault(name, [])
+            if len(samples) < MAX_SAMPLES:
+                samples.append(seconds)
+
+    def take_samples(self) -> dict[str, list[float]]:
+        """The samples observed since the last call, by name (and forget them)."""
+        with self._lock:
+            out, self._samples = self._samples, {}
+        return out
+
+    # ----------------------------------------------------------- tier changes
+    def listen(self, listener: TierListener | None) -> None:
+        """Hear every batch of blocks committed to or removed from a tier (see the module docstring).
+        Called on whichever thread changed the tier: the listener must be quick and thread-safe."""
+        self._listener = listener
+
+    def tier_changed(self, tier: str, metas: Sequence[Any], stored: bool) -> None:
+        listener = self._listener
+        if listener is not None and metas:
+            listener(tier, metas, stored)
+
     def register_prometheus(self, registry=None) -> None:  # type: ignore[no-untyped-def]
-        """Expose the counters through prometheus-client (optional dependency)."""
+        """Expose the counters through prometheus-client (optional dependency), for a process that
+        runs no engine (inside an engine, the adapters export ``METRICS`` through its endpoint)."""
         from prometheus_client.core import REGISTRY, CounterMetricFamily
 
         counters = self

@@ -8,7 +8,7 @@ other role is a programming error and raises ``RuntimeError``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -17,15 +17,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .metadata import StrataMetadata, StrataStats
+from .metrics import StrataPromMetrics
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -91,12 +98,24 @@ class StrataConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         return self._sched.reset_cache() if self._sched is not None else None
 
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        return self._sched.take_events() if self._sched is not None else ()
+
+    # stats: both sides report (vLLM merges them); see metrics.py for the way to /metrics
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._sched.get_kv_connector_stats() if self._sched is not None else None
+        if self._sched is not None:
+            return self._sched.get_kv_connector_stats()
+        return self._worker.get_kv_connector_stats() if self._worker is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return StrataStats(data=dict(data or {}))
+        return StrataStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return StrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -8,6 +8,7 @@ across ranks by vLLM with ``aggregate``) and ``StrataStats`` (counter deltas).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -62,19 +63,34 @@ def _merge(a: dict[int, set[int]], b: dict[int, set[int]]) -> dict[int, set[int]
 
 
 class StrataStats(KVConnectorStats):
-    """Counter deltas since the last report, shown in vLLM's own stats logs."""
+    """What the connector reports to vLLM's stats loop: counter deltas since the last report, gauge
+    values and latency samples (``kvstrata.metrics`` names them all), from the scheduler side and
+    the workers, merged by ``aggregate``. Plain dicts with string keys, so it crosses processes as
+    is. vLLM logs ``reduce()`` and hands ``data`` to ``StrataPromMetrics.observe`` for /metrics."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        super().__init__(data={"counters": {}, "gauges": {}, "samples": {}, **(data or {})})
 
     def reset(self) -> None:
-        self.data = {}
+        self.data = {"counters": {}, "gauges": {}, "samples": {}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        merged = dict(self.data)
-        for k, v in other.data.items():
-            merged[k] = merged.get(k, 0) + v
-        return StrataStats(data=merged)
+        counters, gauges = dict(self.data["counters"]), dict(self.data["gauges"])
+        samples = {k: list(v) for k, v in self.data["samples"].items()}
+        for k, v in other.data.get("counters", {}).items():
+            counters[k] = counters.get(k, 0) + v
+        gauges.update(other.data.get("gauges", {}))  # the newest value wins
+        for k, v in other.data.get("samples", {}).items():
+            samples.setdefault(k, []).extend(v)
+        return StrataStats({"counters": counters, "gauges": gauges, "samples": samples})
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        out: dict[str, int | float] = dict(self.data["counters"])
+        out.update(self.data["gauges"])
+        for k, v in self.data["samples"].items():
+            out[f"{k}_count"] = len(v)
+            out[f"{k}_avg_ms"] = round(1000 * sum(v) / len(v), 3) if v else 0.0
+        return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not (self.data["counters"] or self.data["samples"] or self.data["gauges"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,9 @@ from kvstrata.config import ConfigError, load_engine_config
 from kvstrata.keys import BlockChain, block_key, root_key
 from kvstrata.store import BlockStore, Hit, Reservation
 
+from .events import KVEvents
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
+from .metrics import StatsCollector
 from .namespace import namespace_for, new_arena_path, request_extra
 
 if TYPE_CHECKING:
@@ -52,6 +55,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+# vLLM's per-source hit metric (``vllm:prompt_tokens_cached_by_source``) for each tier. vLLM has no
+# source for a store shared between instances; its docs give ``external_unspecified`` to "remote
+# store"s (``p2p`` is a transfer from another vLLM instance). kvstrata's own ``kvstrata_hit_*``
+# series keep the exact split.
+HIT_SOURCE = {"l1": CacheHitSource.HOST, "l2": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 @dataclass
@@ -68,7 +77,8 @@ class _Pending:
     slots: list[int] = field(default_factory=list)  # L1 slots of the hit's blocks, read under the pin
     staging: bool = False
     staged: bool = False
-    from_disk: int = 0  # blocks of the hit that had to be staged from a backing tier
+    origin: list[str] = field(default_factory=list)  # per block of the hit: the tier it is served from
+    learned: bool = False  # the hit's keys were paired with vLLM's block hashes (KV events)
 
 
 @dataclass(slots=True)
@@ -111,7 +121,12 @@ class SchedulerSide:
         self._inflight: dict[int, _InFlight] = {}  # op id -> what settles when every rank reports it
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
         self._next_op = 1
-        self._last_counters: dict[str, int] = {}
+        self.stats = StatsCollector(self.store)
+        events_cfg = vllm_config.kv_events_config
+        self.events: KVEvents | None = None
+        if events_cfg is not None and events_cfg.enable_kv_cache_events:
+            self.events = KVEvents(self.block_size, {t.name: t.bit for t in self.store.tiers})
+            self.store.counters.listen(self.events.on_tier_change)
         log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s", self.ns.id,
                  self.ns.model, self.arena.num_slots, slot_bytes, path)
 
@@ -130,7 +145,13 @@ class SchedulerSide:
         st.local = num_computed_tokens
         # Validated and pinned under one index lock: a pinned row keeps its block and its L1 slot
         # until the pin goes, so the slots read below stay this block's until the load is copied.
+        started = time.perf_counter()
         hit = self.store.lookup(self.ns, st.tokens, st.extra, pin=True)
+        self.store.counters.observe("lookup_seconds", time.perf_counter() - started)
+        if self.events is not None and not st.learned and hit.num_blocks:
+            st.learned = True
+            n_full = sum(1 for n in hit.chain.lengths if n == self.block_size)
+            self.events.learn(hit.chain.keys[:n_full], request.block_hashes, 0, st.tokens, hit.tiers)
         matched, slots = self._resident(st, hit, num_computed_tokens)
         if not matched:
             self.store.complete_load(hit)
@@ -147,6 +168,8 @@ class SchedulerSide:
         n_blocks = -(-usable // self.block_size)
         slots = self.store.arena.slots(hit)[:n_blocks]
         first = num_computed_tokens // self.block_size
+        if not st.staged:  # where each block comes from, before staging copies it into L1
+            st.origin = [self._origin(bits, slot) for bits, slot in zip(hit.tiers[:n_blocks], slots)]
         if any(s is None for s in slots[first:]) and not st.staged:
             wanted = hit._replace(chain=BlockChain(*(part[:n_blocks] for part in hit.chain)),
                                   tiers=hit.tiers[:n_blocks], lease=None)
@@ -161,21 +184,30 @@ class SchedulerSide:
             return 0, []
         return usable - num_computed_tokens, slots[:resident]  # type: ignore[return-value]
 
+    def _origin(self, bits: int, slot: int | None) -> str:
+        """The tier a block of a hit is served from: L1 if resident, else the first backing tier."""
+        if slot is not None:
+            return "l1"
+        return next((t.name for t in self.store.tiers[1:] if bits & t.bit), "l1")
+
     def _stage(self, st: _Pending, hit: Hit, first: int) -> bool:
         """Bring the hit's blocks into L1. Returns True when done inline (small hits): the caller
         can promise them now; False when a background job was started (ask again later)."""
         missing = sum(1 for s in self.store.arena.slots(hit)[first:] if s is None)
+        order = [t.name for t in self.store.tiers]
+        sample = f"load_seconds_{max(st.origin[first:], key=order.index, default='l1')}"  # the outermost read
+        started = time.perf_counter()
         if missing * self.arena.slot_bytes <= self._inline_bytes:
             # Inline: a background thread would fight this busy scheduler loop for the GIL.
             self.store.load(hit)
-            st.staged, st.from_disk = True, missing
+            self.store.counters.observe(sample, time.perf_counter() - started)
+            st.staged = True
             return True
 
         def staged(n: int | None) -> None:  # None: the job raised; the request must not wait forever
+            self.store.counters.observe(sample, time.perf_counter() - started)  # queue wait included
             with self._lock:
                 st.staging, st.staged = False, True
-                if n is not None:
-                    st.from_disk = missing
 
         with self._lock:
             st.staging = True
@@ -194,9 +226,22 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if not num_external_tokens or st is None:
             return {}
-        disk = min(num_external_tokens, st.from_disk * self.block_size)
-        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
-        return {k: v for k, v in out.items() if v}
+        out: dict[CacheHitSource, int] = {}
+        for tier, (_blocks, tokens) in self._by_tier(st, num_external_tokens).items():
+            out[HIT_SOURCE[tier]] = out.get(HIT_SOURCE[tier], 0) + tokens
+        return out
+
+    def _by_tier(self, st: _Pending, num_external_tokens: int) -> dict[str, tuple[int, int]]:
+        """Blocks and tokens of the load the request is about to get, by the tier they come from."""
+        bs = self.block_size
+        first = st.local // bs
+        last = -(-(st.local + num_external_tokens) // bs)
+        out: dict[str, tuple[int, int]] = {}
+        for i, tier in enumerate(st.origin[first:last], first):
+            tokens = min(bs, st.local + num_external_tokens - i * bs)
+            blocks, total = out.get(tier, (0, 0))
+            out[tier] = (blocks + 1, total + tokens)
+        return out
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -213,7 +258,12 @@ class SchedulerSide:
         # The load op owns the pin now: it goes when every rank has copied the blocks out.
         self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), hit=st.hit)
         st.hit, st.slots = None, []
-        self.store.counters.inc("vllm_loaded_tokens", num_external_tokens)
+        counters = self.store.counters
+        counters.inc("vllm_loaded_tokens", num_external_tokens)
+        for tier, (blocks, tokens) in self._by_tier(st, num_external_tokens).items():
+            counters.inc(f"hit_tokens_{tier}", tokens)
+            if tier == "l1":  # blocks staged from a backing tier were counted by the store's read
+                counters.inc("hit_blocks_l1", blocks)
 
     def _new_op_id(self) -> int:
         self._next_op += 1
@@ -247,6 +297,8 @@ class SchedulerSide:
             return
         tokens = np.asarray(req.all_token_ids[: max(full * bs, prompt_len if tail else 0)], dtype=np.uint32)
         epoch, chain = self.store.chain(self.ns, tokens[: full * bs], st.extra, partial=False)
+        if self.events is not None and full > st.saved_full:
+            self.events.learn(chain.keys[st.saved_full : full], req.block_hashes, st.saved_full, tokens)
         where = list(range(st.saved_full, full))  # engine block index of each planned block
         todo = BlockChain(*(part[st.saved_full : full] for part in chain))
         if tail:
@@ -321,10 +373,10 @@ class SchedulerSide:
         return True
 
     def get_kv_connector_stats(self) -> StrataStats | None:
-        now = self.store.counters.snapshot()
-        delta = {k: v - self._last_counters.get(k, 0) for k, v in now.items() if v != self._last_counters.get(k, 0)}
-        self._last_counters = now
-        return StrataStats(data=delta) if delta else None
+        return self.stats.collect()
+
+    def take_events(self) -> list[Any]:
+        return self.events.take() if self.events is not None else []
 
     def shutdown(self) -> None:
         self.store.close()

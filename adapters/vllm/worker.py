@@ -11,6 +11,7 @@ finished, keyed by its rank (``StrataWorkerMetadata``); a failed load is reporte
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from kvstrata.blockcopy import BlockLayout
 from kvstrata.tiers.arena import attach_shared_arena
 
-from .metadata import ArenaSpec, StrataMetadata, StrataWorkerMetadata
+from .metadata import ArenaSpec, StrataMetadata, StrataStats, StrataWorkerMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,6 +43,8 @@ class WorkerSide:
         self._loaded: set[int] = set()
         self._load_errors: set[int] = set()
         self._just_attached = False
+        self._load_s: list[float] = []  # one sample per step with loads (the L1-to-KV-cache copy)
+        self._bytes_read = 0  # this rank's bytes copied out of L1
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -71,6 +74,7 @@ class WorkerSide:
         assert self._layout is not None
         self._prefault.ahead_of((max((max(op.slots) for op in meta.loads if op.slots), default=0) + 1)
                                 * meta.arena.slot_bytes)
+        started = time.perf_counter()
         for op in meta.loads:
             try:
                 self._layout.load(op.slots, arena, op.block_ids)
@@ -80,6 +84,8 @@ class WorkerSide:
             # The arena slots are read once load() returns (on CUDA only the upload from the
             # staging buffer is still queued), so the scheduler may unpin them after this step.
             self._loaded.add(op.op_id)
+        self._load_s.append(time.perf_counter() - started)
+        self._bytes_read += sum(len(op.slots) for op in meta.loads) * meta.arena.rank_bytes
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layout is not None:
@@ -99,6 +105,13 @@ class WorkerSide:
             except Exception:  # an I/O edge: the blocks are just not stored
                 log.exception("kvstrata: save for %s failed; it will not be stored", op.req_id)
                 self._failed.add(op.op_id)
+
+    def get_kv_connector_stats(self) -> StrataStats | None:
+        if not self._load_s:
+            return None
+        stats = StrataStats({"counters": {"l1_bytes_read": self._bytes_read}, "samples": {"load_seconds_l1": self._load_s}})
+        self._load_s, self._bytes_read = [], 0
+        return stats
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

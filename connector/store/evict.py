@@ -41,6 +41,7 @@ class Evictor:
         if any(m.size != size for m in metas) or not p.l1.fits(size):
             p.counters.inc("l1_too_large" if not p.l1.fits(size) else "l1_mixed_sizes")
             return Reservation([], [])
+        evicted: list[EntryMeta] = []
         with self._lock:
             slots = p.l1.reserve(len(metas), size)
             while len(slots) < len(metas):
@@ -48,12 +49,13 @@ class Evictor:
                 if not victims:
                     p.counters.inc("l1_full", len(metas) - len(slots))
                     break
-                for row in victims:
-                    self._evict_l1(row)
+                evicted += [meta for meta in map(self._evict_l1, victims) if meta is not None]
                 slots += p.l1.reserve(len(metas) - len(slots), size)
+        p.counters.tier_changed(p.l1.name, evicted, False)
         return Reservation(metas[: len(slots)], slots)
 
-    def _evict_l1(self, row: int) -> None:
+    def _evict_l1(self, row: int) -> EntryMeta | None:
+        """Evict the block at ``row`` from L1 (demoting it first if so configured); its meta if evicted."""
         p = self.p
         meta = p.index.meta(row)
         demote = (p.l2 is not None and p.config.l2.write == "on_evict"
@@ -68,9 +70,11 @@ class Evictor:
             finally:
                 if lease is not None:
                     p.index.unpin(lease)
-        if p.index.claim(meta.key, p.l1.bit):
-            p.l1.delete(meta.key)
-            p.counters.inc("l1_evicted")
+        if not p.index.claim(meta.key, p.l1.bit):
+            return None
+        p.l1.delete(meta.key)
+        p.counters.inc("l1_evicted")
+        return meta
 
     def enforce_capacity(self, tier: BlockTier) -> None:
         self.make_room(tier, 0)
@@ -84,25 +88,28 @@ class Evictor:
         index = self.p.index
         while tier.used_bytes + nbytes > tier.capacity_bytes:
             victims = index.lru_victims(tier.bit, _EVICT_BATCH)
-            dropped = 0
+            dropped: list[EntryMeta] = []
             for row in victims:
                 if tier.used_bytes + nbytes <= tier.capacity_bytes:
-                    return
-                if self.drop_from(tier, row):
-                    dropped += 1
-                    self.p.counters.inc(f"{tier.name}_evicted")
-            if not dropped:  # nothing evictable (all pinned or claimed by others meanwhile)
-                return
+                    break
+                meta = self.drop_from(tier, row)
+                if meta is not None:
+                    dropped.append(meta)
+            self.p.counters.inc(f"{tier.name}_evicted", len(dropped))
+            self.p.counters.tier_changed(tier.name, dropped, False)
+            if not dropped or tier.used_bytes + nbytes <= tier.capacity_bytes:
+                return  # room made, or nothing evictable (all pinned or claimed by others meanwhile)
 
-    def drop_from(self, tier: BlockTier, row: int) -> bool:
-        """Delete the block at ``row`` from ``tier`` unless it is pinned (or claimed meanwhile)."""
+    def drop_from(self, tier: BlockTier, row: int) -> EntryMeta | None:
+        """Delete the block at ``row`` from ``tier`` unless it is pinned (or claimed meanwhile);
+        its meta if deleted. The caller tells the tier listener, once per batch."""
         meta = self.p.index.meta(row)
         if not self.p.index.claim(meta.key, tier.bit):
-            return False
+            return None
         tier.delete(meta.key)
         if meta.tail and isinstance(tier, DiskTier):
             tier.delete_tail_marker(meta.parent, meta.ntok, meta.key)
-        return True
+        return meta
 
     def namespaces(self) -> list[bytes]:
         seeds = {meta.ns_seed for _, meta, _ in self.p.index.entries()}
@@ -113,11 +120,12 @@ class Evictor:
         p = self.p
         removed = Counter[str]()
         for seed in only or self.namespaces():
-            for row in p.index.stale_rows(seed, p.epochs.get(seed)):
-                bits = int(p.index.tiers_of(np.array([row]))[0])
-                for tier in p.tiers:
-                    if bits & tier.bit and self.drop_from(tier, row):
-                        removed[tier.name] += 1
+            rows = p.index.stale_rows(seed, p.epochs.get(seed))
+            bits = p.index.tiers_of(np.array(rows, dtype=np.int64)).tolist() if rows else []
+            for tier in p.tiers:
+                dropped = [m for row, b in zip(rows, bits) if b & tier.bit and (m := self.drop_from(tier, row))]
+                removed[tier.name] += len(dropped)
+                p.counters.tier_changed(tier.name, dropped, False)
         for tier in p.backing:
             self.enforce_capacity(tier)
             swept = tier.sweep(p.config.lease_seconds)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -72,7 +73,10 @@ class Writer:
                 reported.set()
                 on_done(k)
 
+        queued = time.perf_counter()
+
         def job() -> None:
+            self.p.counters.observe("save_queue_wait_seconds", time.perf_counter() - queued)
             stored = self._put_chain(ns, epoch, chain, src)
             report(len(stored))
             self.write_through(stored)
@@ -123,7 +127,17 @@ class Writer:
                 p.l1.delete(meta.key)  # key collision: the first writer keeps the key
             else:
                 stored.append((meta, row))
+        if stored:
+            p.counters.inc("l1_bytes_written", sum(meta.size for meta, _ in stored))
+            p.counters.tier_changed(p.l1.name, [meta for meta, _ in stored], True)
         return stored
+
+    def _commit(self, metas: list[EntryMeta], tier: BlockTier) -> int:
+        """Commit blocks written to a backing tier; tells the tier listener. Returns how many."""
+        rows = self.p.index.commit_many(metas, tier.bit) if metas else []
+        done = [meta for meta, row in zip(metas, rows) if row is not None]
+        self.p.counters.tier_changed(tier.name, done, True)
+        return len(done)
 
     # ----------------------------------------- slots the caller fills itself
     def prepare_store(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
@@ -145,7 +159,13 @@ class Writer:
             return len(stored)
         if stored and (p.remote is not None or p.l2_written_through):
             # the shared tier is always written through (see write_through)
-            if not p.saver.submit(len(stored), lambda: self.write_through(stored)):
+            queued = time.perf_counter()
+
+            def job() -> None:
+                p.counters.observe("save_queue_wait_seconds", time.perf_counter() - queued)
+                self.write_through(stored)
+
+            if not p.saver.submit(len(stored), job):
                 p.counters.inc("saves_dropped", len(stored))
         if wait:
             p.saver.flush()
@@ -162,7 +182,7 @@ class Writer:
         with self._pinned_slots(stored) as todo:
             written = self._write_l2_now([meta for meta, _slot in todo],
                                          lambda k: [memoryview(data[todo[k][1], : todo[k][0].size].numpy())])
-        p.index.commit_many(written, p.l2.bit)
+        self._commit(written, p.l2)
         self.evictor.enforce_capacity(p.l2)
 
     # ------------------------------------------- direct from caller memory
@@ -176,7 +196,7 @@ class Writer:
             raise ValueError("direct writes need L2 written through and no shared tier (see direct_writes)")
         todo, metas = self._todo(ns, epoch, chain, src.size)
         done = self._write_l2_now(metas, lambda k: src.runs(todo[k]))
-        stored = sum(row is not None for row in p.index.commit_many(done, p.l2.bit)) if done else 0
+        stored = self._commit(done, p.l2)
         p.counters.inc("saved_blocks", stored)
         self.evictor.enforce_capacity(p.l2)
         return stored
@@ -240,8 +260,7 @@ class Writer:
         for tier in self.p.backing if tiers is None else tiers:
             self.evictor.make_room(tier, sum(tier.stored_bytes(m.size) for m in metas))
             ok = tier.write_many(metas, list(payloads))
-            done = [m for m, good in zip(metas, ok) if good]
-            self.p.index.commit_many(done, tier.bit)
+            committed = self._commit([m for m, good in zip(metas, ok) if good], tier)
             self.evictor.enforce_capacity(tier)
-            first = first or len(done)
+            first = first or committed
         return first
