@@ -36,8 +36,10 @@ from kvstrata.tools.serving import Server, complete, free_port, strata_transfer_
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 32
-PROMPT = [random.Random(11).randrange(10, 3000) for _ in range(500)]  # 15 full blocks, a 20-token tail
+_RNG = random.Random(11)
+PROMPT = [_RNG.randrange(10, 3000) for _ in range(500)]  # 15 full blocks, a 20-token tail
 FULL = len(PROMPT) // BS
+SHORT = PROMPT[::-1][:20]  # shorter than a block: stores nothing a router would hear of
 GRAFANA = ROOT / "examples" / "grafana" / "kvstrata.json"
 
 
@@ -109,10 +111,21 @@ def config(tmp: Path) -> Path:
     return path
 
 
-def start(model: str, cfg: Path, events: Events, log: Path) -> Server:
-    port = free_port()
-    cmd = vllm_command(model, port, strata_transfer_config(str(cfg)), block_size=BS, extra=events.flag())
-    return Server(cmd, log, port, env={"VLLM_SERVER_DEV_MODE": "1"})  # POST /reset_prefix_cache
+class start(Server):
+    """The server with kvstrata and KV events; on entry, one request shorter than a block (no
+    events) so the publisher's connection is up: ZMQ drops what a PUB sends before it is."""
+
+    def __init__(self, model: str, cfg: Path, events: Events, log: Path) -> None:
+        port = free_port()
+        cmd = vllm_command(model, port, strata_transfer_config(str(cfg)), block_size=BS, extra=events.flag())
+        super().__init__(cmd, log, port, env={"VLLM_SERVER_DEV_MODE": "1"})  # POST /reset_prefix_cache
+        self.model, self.events = model, events
+
+    def __enter__(self) -> "start":
+        super().__enter__()
+        complete(self, self.model, SHORT, max_tokens=1)
+        self.events.drain(1.0)
+        return self
 
 
 # ---------------------------------------------------------------- the scenario
@@ -126,13 +139,13 @@ def served(model, tmp_path_factory) -> dict[str, Any]:
             out["m0"] = server.metrics()
             out["cold"] = complete(server, model, PROMPT, max_tokens=1)
             out["ev_cold"] = events.drain()
-            out["m1"] = scrape_until(server, lambda t: series(t, "kvstrata_saved_blocks_total") >= FULL + 1)
+            out["m1"] = scrape_until(server, lambda t: series(t, "kvstrata_saved_blocks_total") >= FULL + 2)
             server.post("/reset_prefix_cache")  # vLLM's own cache only
             out["hit"] = complete(server, model, PROMPT, max_tokens=1)
             out["m2"] = scrape_until(server, lambda t: series(t, "kvstrata_load_seconds_count", tier="l1") > 0)
             out["ev_hit"] = events.drain()
             server.post("/reset_prefix_cache?reset_external=true")  # kvstrata's too
-            complete(server, model, PROMPT[::-1][:20], max_tokens=1)  # a step, to publish the removals
+            complete(server, model, SHORT, max_tokens=1)  # a step, to publish the removals
             out["ev_reset"] = events.drain()
     finally:
         events.close()
@@ -159,7 +172,7 @@ def test_histograms_have_samples_and_gauges_show_what_is_resident(served):
     assert series(m2, "kvstrata_lookup_seconds_count") > series(m1, "kvstrata_lookup_seconds_count")
     assert series(m2, "kvstrata_load_seconds_count", tier="l1") >= 1
     assert series(m2, "kvstrata_save_queue_wait_seconds_count") >= 1  # L2 is written through
-    assert series(m1, "kvstrata_resident_blocks", tier="l1") == FULL + 1
+    assert series(m1, "kvstrata_resident_blocks", tier="l1") == FULL + 2  # and the tails of both prompts
     assert series(m1, "kvstrata_bytes_written_total", tier="l1") == series(m1, "kvstrata_resident_bytes", tier="l1")
     assert series(m2, "kvstrata_bytes_written_total", tier="l2") > 0
     # The series carry vLLM's own labels.
@@ -195,8 +208,9 @@ def test_after_a_restart_a_disk_hit_is_announced_on_disk(model, tmp_path):
             complete(server, model, PROMPT, max_tokens=1)
         events.drain(0.5)
         with start(model, cfg, events, tmp_path / "vllm-2.log") as server:
+            before = scrape_until(server, lambda t: series(t, "kvstrata_hit_tokens_total", tier="l2") > 0)  # SHORT's
             done = complete(server, model, PROMPT, max_tokens=1)
-            complete(server, model, PROMPT[::-1][:20], max_tokens=1)  # publishes what the save threads did
+            complete(server, model, SHORT, max_tokens=1)  # publishes what the save threads did
             ev = events.drain()
             text = scrape_until(server, lambda t: series(t, "kvstrata_hit_tokens_total", tier="l2") > 0)
     finally:
@@ -206,9 +220,12 @@ def test_after_a_restart_a_disk_hit_is_announced_on_disk(model, tmp_path):
     assert len(gpu) == FULL
     assert sorted(hashes(ev, BlockStored, "DISK")) == sorted(gpu)  # found on disk, this run's hashes
     assert sorted(hashes(ev, BlockStored, "CPU")) == sorted(gpu)  # staged into L1
-    assert series(text, "kvstrata_hit_tokens_total", tier="l2") == len(PROMPT) - 1
-    assert series(text, "kvstrata_load_seconds_count", tier="l2") >= 1
-    assert series(text, "vllm:prompt_tokens_cached_by_source_total", source="disk") == len(PROMPT) - 1
+    grew = {name: series(text, name, **labels) - series(before, name, **labels) for name, labels in (
+        ("kvstrata_hit_tokens_total", {"tier": "l2"}), ("kvstrata_load_seconds_count", {"tier": "l2"}),
+        ("vllm:prompt_tokens_cached_by_source_total", {"source": "disk"}))}
+    assert grew["kvstrata_hit_tokens_total"] == len(PROMPT) - 1
+    assert grew["kvstrata_load_seconds_count"] >= 1
+    assert grew["vllm:prompt_tokens_cached_by_source_total"] == len(PROMPT) - 1
 
 
 def test_every_metric_of_the_grafana_dashboard_is_in_a_real_scrape(served):
