@@ -113,6 +113,7 @@ class StrataStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.rows = PageRows(mem_pool_host, self.store.max_runs)
         self.ns = namespace_for(self.storage_config, self.config, self.rows, self.chained)
+        self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
         # An L1 smaller than the host pool would mostly hold pages the pool still has (both are
         # LRU over the same pages), so its copy is pure cost: pages then go straight between
         # the pool and the disk tier. An L1 at least that large is a real cache behind the pool.

@@ -109,6 +109,7 @@ class SchedulerSide:
         slot_bytes = rank_bytes * par.tensor_parallel_size
         path = new_arena_path()
         self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
+        self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
         atexit.register(self.store.arena.unlink)  # unlink the arena even if vLLM never calls shutdown
         self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes)
         self._ranks = par.tensor_parallel_size
