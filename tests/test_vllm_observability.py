@@ -190,6 +190,7 @@ def test_committed_blocks_are_announced_with_vllms_own_block_hashes(served):
     stored = [e for e in ev if isinstance(e, BlockStored) and e.medium == "CPU"]
     assert [t for e in stored for t in e.token_ids] == PROMPT[: FULL * BS]
     assert all(e.block_size == BS for e in stored) and stored[0].parent_block_hash is None
+    assert {e.locality for e in ev if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK")} <= {"LOCAL"}
 
 
 def test_a_hit_announces_nothing_new_and_a_connector_reset_removes_every_block(served):

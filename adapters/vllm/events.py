@@ -28,6 +28,7 @@ from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KV
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 MEDIUM = {"l1": MEDIUM_CPU, "l2": "DISK", "remote": "REMOTE"}  # kvstrata tier -> event medium
+LOCALITY = {"l1": "LOCAL", "l2": "LOCAL", "remote": "REMOTE"}  # relative to this instance, as vLLM defines it
 _UNSTORED_STEPS = 1024  # a learned block never committed (L1 full, a failed copy) is forgotten after
 
 
@@ -122,7 +123,7 @@ class KVEvents:
         return BlockStored(block_hashes=[k.ext for k in run], parent_block_hash=run[0].parent,
                            token_ids=np.concatenate([k.tokens for k in run]).tolist(),
                            block_size=self.block_size, lora_id=None, medium=MEDIUM[tier], lora_name=None,
-                           group_idx=0)
+                           group_idx=0, locality=LOCALITY[tier])
 
     def _removed(self, tier: str, keys: list[bytes]) -> list[KVCacheEvent]:
         bit, hashes = self._bits[tier], []
@@ -134,4 +135,5 @@ class KVEvents:
             hashes.append(known.ext)
             if not known.tiers:
                 del self._known[key]  # left every tier it was announced on
-        return [BlockRemoved(block_hashes=hashes, medium=MEDIUM[tier], group_idx=0)] if hashes else []
+        return ([BlockRemoved(block_hashes=hashes, medium=MEDIUM[tier], group_idx=0, locality=LOCALITY[tier])]
+                if hashes else [])

@@ -3,7 +3,7 @@
 How the figures travel (vLLM's connector stats path): each step the scheduler calls the
 connector's ``get_kv_connector_stats`` on both sides. The scheduler side (``StatsCollector``)
 reports the store's counter deltas, its latency samples and, in a step where a counter moved, the
-resident bytes and blocks per tier (one vectorized count over the index, a byte per row); each worker reports its own samples and bytes (the L1-to-KV-cache copy).
+resident bytes and blocks per tier (``BlockStore.resident``); each worker reports its own samples and bytes (the L1-to-KV-cache copy).
 vLLM merges them (``StrataStats.aggregate``) and sends them with the scheduler stats to the API
 server process, where ``StrataPromMetrics.observe`` (built by vLLM through the connector's
 ``build_prom_metrics``, with vLLM's ``PromMetric`` classes and its ``model_name``/``engine``
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 
 from kvstrata.metrics import METRICS, SOURCES, TIERS
@@ -44,17 +43,8 @@ class StatsCollector:
         samples = counters.take_samples()
         if not (delta or samples):
             return None
-        gauges = self.resident() if delta else {}
+        gauges = self.store.resident() if delta else {}
         return StrataStats({"counters": delta, "gauges": gauges, "samples": samples})
-
-    def resident(self) -> dict[str, int]:
-        """``<tier>_resident_blocks`` and ``<tier>_resident_bytes`` for every tier of the store."""
-        bits = self.store.index.tiers_of(slice(None))  # type: ignore[arg-type]  # one byte per row
-        out: dict[str, int] = {}
-        for tier in self.store.tiers:
-            out[f"{tier.name}_resident_blocks"] = int(np.count_nonzero(bits & tier.bit))
-            out[f"{tier.name}_resident_bytes"] = int(tier.used_bytes)
-        return out
 
 
 class StrataPromMetrics(KVConnectorPromMetrics):
