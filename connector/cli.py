@@ -40,7 +40,11 @@ def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callab
 
 
 def _open(args: argparse.Namespace) -> BlockStore:
-    return BlockStore(load_config(args.config))
+    """The store, with L2's blocks all in its index: ``stats``, ``gc`` and ``invalidate`` act on
+    every block, so they wait for the background recovery an engine serves during."""
+    store = BlockStore(load_config(args.config))
+    store.wait_recovered()
+    return store
 
 
 @command("config check")

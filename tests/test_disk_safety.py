@@ -180,6 +180,7 @@ def test_writers_killed_at_random_points_leave_only_complete_blocks(tmp_path, ns
     assert list(root.rglob("*.tmp"))
 
     with BlockStore(make_config(tmp_path, **{"l1.size": 64 * size, "l2.size": l2_size})) as store:
+        assert store.wait_recovered(30)
         assert not list(root.rglob("*.tmp")), "a dead writer's temp file survived recovery"
         assert store.counters.get("l2_temp_removed") >= 1
 

@@ -323,6 +323,7 @@ def test_recovered_blocks_leave_l2_oldest_first(tmp_path, ns):
             os.utime(a.l2.path(key), (1_000_000 + i, 1_000_000 + i))
     with BlockStore(make_config(tmp_path, **{"l1.size": 2000 * size,
                                              "l2.size": 1000 * file_bytes})) as b:
+        assert b.wait_recovered(30)  # the background scan files the recovered blocks by mtime
         assert len(b.index) == 1100
         store_prompt(b, ns, random_tokens("new", BLOCK_SIZE), size)
         assert b.l2.used_bytes <= 1000 * file_bytes
@@ -401,6 +402,7 @@ def test_gc_of_another_instance_removes_recovered_old_epoch_files(tmp_path, ns):
         with BlockStore(make_config(tmp_path)) as a:
             chain, _ = store_prompt(a, ns, random_tokens("p", 48))
         with BlockStore(make_config(tmp_path)) as b:
+            assert b.wait_recovered(30)
             assert len(b.index) == 3
             c.invalidate(ns.seed)
             assert all(b.l2.path(k).is_file() for k in chain.keys)  # C never knew them

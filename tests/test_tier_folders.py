@@ -259,6 +259,7 @@ def test_planted_tier_folder_is_scanned_checked_and_fixed_without_following_bloc
     def open_and_serve() -> dict[str, int]:
         with BlockStore(make_config(tmp_path)) as store:
             _assert_serves(store, ns, planted)
+            assert store.wait_recovered(NORMAL_S)  # the background scan, through the planted entries
             return store.counters.snapshot()
 
     counters = _within(NORMAL_S, "a store open and lookups", open_and_serve, planted.fifos)

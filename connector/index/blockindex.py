@@ -30,7 +30,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..keys import BlockChain
-from .table import EntryMeta, Table
+from .table import RECENT, EntryMeta, Table
 
 
 class Lease(NamedTuple):
@@ -183,6 +183,15 @@ class BlockIndex(Table):
         ``metas``."""
         with self._lock:
             return self._commit_many(metas, tier_bit)
+
+    def commit_recovered(self, metas: list[EntryMeta], tier_bit: int, mtimes: list[float]) -> None:
+        """``commit_many`` for blocks found in a tier folder at start-up (``mtimes``: their files'),
+        filed as used before anything used since open, oldest file first: eviction takes them
+        in mtime order, after nothing a lookup touched. Blocks already indexed (adopted by a
+        lookup, or saved since open) only gain the tier, and keep their place in the LRU order."""
+        stamps = np.clip(np.array(mtimes, np.float64) * 1e6, 0, RECENT - 1).astype(np.uint64)
+        with self._lock:
+            self._commit_many(metas, tier_bit, stamps)
 
     def claim(self, key: bytes, tier_bit: int) -> bool:
         """Atomically take block ``key`` out of a tier for eviction; False if a reader has it

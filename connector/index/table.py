@@ -29,6 +29,9 @@ class EntryMeta(NamedTuple):
     tail: bool = False  # a partial block (fewer tokens than the block size)
 
 
+RECENT = 1 << 56  # the first use stamp; recovered blocks are stamped below it
+
+
 class Table:
     """The columns, the key -> row dict, the free rows, the namespaces and the tail counts."""
 
@@ -38,7 +41,9 @@ class Table:
         self._key_bytes = key_bits // 8
         self._rows: dict[bytes, int] = {}
         self._free: list[int] = []
-        self._tick = 0
+        # Use stamps start high: ``_commit_many`` can then file recovered blocks as older than
+        # any block used since open, in the order of their files' mtimes (microseconds < 2^56).
+        self._tick = RECENT
         self._ns_ids: dict[bytes, int] = {}
         self._ns_seeds: list[bytes] = []
         # parent key -> {token count: number of stored partial children of that length}. Counted,
@@ -147,24 +152,27 @@ class Table:
             self._add_tail(meta.parent, meta.ntok)
         return row
 
-    def _commit_many(self, metas: list[EntryMeta], tier_bit: int) -> list[int | None]:
+    def _commit_many(self, metas: list[EntryMeta], tier_bit: int,
+                     stamps: np.ndarray | None = None) -> list[int | None]:
         """``BlockIndex.commit_many``, under the caller's lock: keys not yet indexed are written
-        with one vectorized assignment per column, the rest go through ``_commit``."""
+        with one vectorized assignment per column, the rest go through ``_commit``. With
+        ``stamps`` (one per meta, below ``RECENT``) new rows take them as their last use instead
+        of now; rows already indexed keep theirs."""
         kb = self._key_bytes
-        fresh: dict[bytes, EntryMeta] = {}
+        fresh: dict[bytes, int] = {}
         slow = []
         for i, m in enumerate(metas):
             k = m.key[:kb]
             if k in self._rows or k in fresh:
                 slow.append(i)
             else:
-                fresh[k] = m
+                fresh[k] = i
         n = len(fresh)
         while len(self._free) < n:
             self._alloc(self._cap * 2)
         rows = np.array(self._free[len(self._free) - n :][::-1], dtype=np.int64)
         del self._free[len(self._free) - n :]
-        new = list(fresh.values())
+        new = [metas[i] for i in fresh.values()]
         self._rows.update(zip(fresh, rows.tolist()))
         self._key[rows] = np.frombuffer(b"".join(m.key for m in new), np.uint64).reshape(n, 2)
         self._parent[rows] = np.frombuffer(b"".join(m.parent for m in new), np.uint64).reshape(n, 2)
@@ -177,7 +185,10 @@ class Table:
         self._pins[rows] = 0
         self._tiers[rows] = tier_bit
         self._tail[rows] = np.array([m.tail for m in new], np.bool_)
-        self._stamp(rows)
+        if stamps is None:
+            self._stamp(rows)
+        else:
+            self._last[rows] = stamps[np.fromiter(fresh.values(), np.int64, n)]
         for m in new:
             if m.tail:
                 self._add_tail(m.parent, m.ntok)

@@ -4,7 +4,9 @@
 It composes one part per concern, each in its own module:
 
 - ``parts.py``: the shared pieces (index, tiers, epochs, counters, save threads), built from the
-  config; L2's blocks are recovered into the index at start.
+  config, reading no block file.
+- ``recovery.py``: L2's blocks into the index in a background thread (lookups adopt them by
+  header meanwhile; ``wait_recovered``).
 - ``lookup.py``: ``lookup`` / ``lookup_chain`` (and the pin of ``prepare_load``).
 - ``load.py``: ``load`` into tensors, byte runs or L1.
 - ``write.py``: ``prepare_store`` / ``complete_store`` and ``save``.
@@ -187,6 +189,13 @@ class BlockStore:
         block's header and its runs together."""
         return IOV_MAX - 1
 
+    def wait_recovered(self, timeout: float | None = None) -> bool:
+        """Wait until the background scan has brought every L2 block into the index (True), or
+        ``timeout`` seconds (False). Serving never needs it (lookups find blocks by header); the
+        figures of ``stats`` and the LRU order are complete only after it."""
+        recovery = self.parts.recovery
+        return recovery is None or recovery.wait(timeout)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued saves (tests, shutdown)."""
         return self.parts.saver.flush(timeout)
@@ -270,6 +279,8 @@ class BlockStore:
                 "descriptors": described, "counters": p.counters.snapshot()}
 
     def close(self) -> None:
+        if self.parts.recovery is not None:
+            self.parts.recovery.stop()
         self.parts.saver.close()
         self.parts.epochs.close()
         for tier in self.parts.tiers:

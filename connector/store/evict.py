@@ -20,6 +20,10 @@ from .parts import Parts
 from .protocol import Reservation
 
 _EVICT_BATCH = 16
+# While L2's folder is still being counted (``tiers/ledger.py``) its used bytes are an upper bound,
+# and a write that finds no room even after evicting waits this long for the count to finish
+# (milliseconds for a small folder; a large one drops the write, as a full tier does).
+_COUNT_WAIT_S = 2.0
 
 Demote = Callable[[list[EntryMeta], list[torch.Tensor]], int]
 
@@ -30,6 +34,7 @@ class Evictor:
         self.p = parts
         self._demote = demote
         self._lock = threading.Lock()  # one reservation evicts at a time
+        self._holder = 0  # the thread holding ``_lock`` (it never waits for L2's count: prepare_store would)
 
     def reserve_slots(self, metas: list[EntryMeta]) -> Reservation:
         """Fresh L1 slots for ``metas`` (one block size), evicting LRU blocks for room; a prefix
@@ -43,14 +48,18 @@ class Evictor:
             return Reservation([], [])
         evicted: list[EntryMeta] = []
         with self._lock:
-            slots = p.l1.reserve(len(metas), size)
-            while len(slots) < len(metas):
-                victims = p.index.lru_victims(p.l1.bit, len(metas) - len(slots))
-                if not victims:
-                    p.counters.inc("l1_full", len(metas) - len(slots))
-                    break
-                evicted += [meta for meta in map(self._evict_l1, victims) if meta is not None]
-                slots += p.l1.reserve(len(metas) - len(slots), size)
+            self._holder = threading.get_ident()
+            try:
+                slots = p.l1.reserve(len(metas), size)
+                while len(slots) < len(metas):
+                    victims = p.index.lru_victims(p.l1.bit, len(metas) - len(slots))
+                    if not victims:
+                        p.counters.inc("l1_full", len(metas) - len(slots))
+                        break
+                    evicted += [meta for meta in map(self._evict_l1, victims) if meta is not None]
+                    slots += p.l1.reserve(len(metas) - len(slots), size)
+            finally:
+                self._holder = 0
         p.counters.tier_changed(p.l1.name, evicted, False)
         return Reservation(metas[: len(slots)], slots)
 
@@ -85,6 +94,20 @@ class Evictor:
         Called before a batch is written, so a tier never holds more than its capacity (a disk
         tier also refuses a write its capacity has no room for: a concurrent writer may have
         taken the room meanwhile, and that block is then dropped, not the bound exceeded)."""
+        self._evict_for(tier, nbytes)
+        if tier.used_bytes + nbytes > tier.capacity_bytes and self._await_count(tier):
+            self._evict_for(tier, nbytes)
+
+    def _await_count(self, tier: BlockTier) -> bool:
+        """Wait (up to ``_COUNT_WAIT_S``) for the count of L2's folder if it is still running:
+        True if it finished, and the real figure may have room."""
+        recovery = self.p.recovery
+        if (tier is not self.p.l2 or recovery is None or recovery.done
+                or self._holder == threading.get_ident()):
+            return False
+        return recovery.wait(_COUNT_WAIT_S)
+
+    def _evict_for(self, tier: BlockTier, nbytes: int) -> None:
         index = self.p.index
         while tier.used_bytes + nbytes > tier.capacity_bytes:
             victims = index.lru_victims(tier.bit, _EVICT_BATCH)

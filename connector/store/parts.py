@@ -1,15 +1,15 @@
 """The pieces every part of the store shares, and how they are built from the config.
 
 ``Parts`` holds the index, L1, the backing tiers (L2 disk, then the shared tier), the epochs, the
-counters and the background save threads. ``open_parts`` builds them and rebuilds the index from
-the blocks L2 holds. The lookup, load, write and evict parts each hold the one ``Parts`` and read
+counters, the background save threads and L2's background recovery. ``open_parts`` builds them;
+it reads no block file (``recovery.py`` brings L2's blocks into the index in the background). The
+lookup, load, write and evict parts each hold the one ``Parts`` and read
 its fields at every call, so that swapping a field (a test sharing another store's epochs) is
 seen by all of them.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from ..config import StrataConfig, check_fits_one_block
@@ -17,9 +17,8 @@ from ..epochs import EpochStore, FileEpochs, MemoryEpochs
 from ..index import BlockIndex
 from ..metrics import Counters
 from ..tiers import REMOTE_BACKENDS, BlockTier, DiskTier, MemoryTier
+from .recovery import Recovery
 from .saver import Saver
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -33,6 +32,7 @@ class Parts:
     backing: list[BlockTier]  # L2 first, then the shared tier: the order loads try them in
     epochs: EpochStore
     saver: Saver
+    recovery: Recovery | None  # L2's blocks coming into the index (None: no L2)
 
     @property
     def tiers(self) -> list[BlockTier]:
@@ -58,21 +58,11 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
                       config.testing.l2_write_delay_ms / 1000)
         backing.append(l2)
         epochs = FileEpochs(config.l2.path / "epochs")
-        _recover(index, l2)
     remote: BlockTier | None = None
     if config.remote.enabled:  # the shared tier also holds the epochs every instance obeys
         floor = config.l2.path / "epochs" if config.l2.enabled else None  # the disk remembers
         remote, epochs = REMOTE_BACKENDS[config.remote.backend](counters, config.remote, floor)
         backing.append(remote)
     saver = Saver(config.saves.queue_blocks, config.saves.threads)
-    return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver)
-
-
-def _recover(index: BlockIndex, tier: DiskTier) -> None:
-    """Rebuild the index from committed files; dead temp files are dropped by the scan."""
-    # Newest first: ``commit_many`` stamps earlier entries as more recently used, so the LRU
-    # order follows the files' mtimes and the oldest files are evicted first.
-    found = sorted(tier.scan_files(), key=lambda item: item[2], reverse=True)
-    index.commit_many([meta for meta, _path, _mtime in found], tier.bit)
-    if found:
-        log.info("kvstrata: recovered %d blocks (%d bytes) from %s", len(found), tier.used_bytes, tier.root)
+    recovery = Recovery(index, l2) if l2 is not None else None
+    return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver, recovery)

@@ -24,12 +24,13 @@ writer is gone (``temp_is_stale``); after the rename the block is complete. ``fs
 durability across power loss at the cost of write bandwidth.
 
 The folder is input kvstrata does not control, so nothing in it is trusted (the rules: ``folder``);
-the start-up scan and ``kvstrata check`` are one function (``scan.scan_folder``). A shard folder
+the background recovery scan and ``kvstrata check`` are one function (``scan``). A shard folder
 that is not a real folder at start-up is not used. Modes are set only on folders kvstrata creates;
 an existing root others can write to gets a warning, never a ``chmod``.
 
 ``l2.size`` holds at every instant: a write first takes its bytes from the capacity (the store
-evicts before a batch) and is refused when they are not there. A full filesystem (ENOSPC, EDQUOT)
+evicts before a batch) and is refused when they are not there; until the background recovery has
+counted the folder, the bytes it holds are an upper bound (``ledger``). A full filesystem (ENOSPC, EDQUOT)
 drops the blocks that do not fit, logged once per burst.
 
 ``write_views``/``read_views`` take the payload as a list of runs (e.g. one page of SGLang's host
@@ -44,7 +45,6 @@ import itertools
 import logging
 import os
 import stat
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -58,6 +58,7 @@ from ..metrics import Counters
 from .base import BlockTier, pid_alive
 from .folder import (FULL_ERRNOS, OPEN_DIR, FullDisk, block_name, make_folder, marker_name, marker_ntok, open_regular, prepare_shards,
                      temp_name, warn_if_open, write_all)
+from .ledger import Ledger, usage_bound, write_summary
 from .scan import BLOCK, DAMAGED, OTHER_VERSION, SKIPPED, TEMP, Found, scan_folder
 
 log = logging.getLogger(__name__)
@@ -82,14 +83,15 @@ class DiskTier(BlockTier):
         self._fsync = fsync
         self._blocks = self.root / "blocks"
         self._tails = self.root / "tails"
-        if not make_folder(self.root, 0o700):
+        self._created = make_folder(self.root, 0o700)
+        if not self._created:
             warn_if_open(self.root, self.open_mode_bits, self.label)
         self._dir_mode, self._file_mode = self.modes()
         self._bad = (prepare_shards(self._blocks, self._dir_mode, self.label)
                      | prepare_shards(self._tails, self._dir_mode, self.label))
         self._prefix = str(self._blocks) + os.sep
-        self._lock = threading.Lock()
-        self._used = 0
+        self.ledger = Ledger()
+        self._summarize = False  # a store's L2 (``begin_recovery``): leave a usage summary at close
         self._seq = itertools.count()
         self._made: set[Path] = set()
         self._full = FullDisk(self.label, self.root, counters, f"{self.name}_full_drops")
@@ -119,11 +121,7 @@ class DiskTier(BlockTier):
 
     def _take(self, n: int) -> bool:
         """Take ``n`` bytes of the capacity for a write (False: they are not there)."""
-        with self._lock:
-            if self.bounded and self._used + n > self._capacity:
-                return False
-            self._used += n
-        return True
+        return self.ledger.take(n, self._capacity, self.bounded)
 
     # -------------------------------------------------------------- interface
     def write(self, meta: EntryMeta, payload: torch.Tensor) -> bool:
@@ -157,12 +155,13 @@ class DiskTier(BlockTier):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)  # publish: same key means same bytes, so last rename wins
+            with self.ledger.shard_locks[meta.key[0]]:  # the recovery scan counts a shard under it
+                os.replace(tmp, final)  # publish: same key means same bytes, so last rename wins
+                self.ledger.published(meta.key[0], cost)
             if meta.tail:
                 self._mark_tail(meta)
         except OSError as e:
-            with self._lock:
-                self._used -= cost
+            self.ledger.give_back(cost)
             self.counters.inc(f"{self.name}_write_errors")
             if e.errno in FULL_ERRNOS:
                 self._full.dropped(e, final, meta.size)
@@ -292,15 +291,15 @@ class DiskTier(BlockTier):
         if not self._usable("blocks", key.hex()):
             return
         path = self._file(key)
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode):
+        with self.ledger.shard_locks[key[0]]:
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    return
+                os.unlink(path)
+            except OSError:
                 return
-            os.unlink(path)
-        except OSError:
-            return
-        with self._lock:
-            self._used -= st.st_size
+            self.ledger.deleted(key[0], key, st.st_size)
 
     def delete_tail_marker(self, parent: bytes, ntok: int, key: bytes) -> None:
         if not self._usable("tails", parent.hex()):
@@ -344,11 +343,23 @@ class DiskTier(BlockTier):
                 yield found.meta, found.path, found.mtime
             else:
                 first.setdefault(found.kind, found)
-        with self._lock:
-            self._used = used
-        self._report(counts, first)
+        self.ledger.reset(used)
+        self.report_scan(counts, first)
 
-    def _report(self, counts: Counter[str], first: dict[str, Found]) -> None:
+    # ------------------------------------------------------- background recovery
+    def begin_recovery(self) -> None:
+        """From now on ``used_bytes`` is an upper bound until the recovery scan (``recover.py``)
+        has counted the folder (``ledger.py``); ``close`` leaves a usage summary for the next store."""
+        bound, source = usage_bound(self.root, self._capacity, self._created)
+        log.debug("kvstrata %s: until %s is counted it holds at most %d bytes (%s)", self.label, self.root, bound, source)
+        self.ledger.begin(bound)
+        self._summarize = True
+
+    def close(self) -> None:
+        if self._summarize:
+            write_summary(self.root, max(self.ledger.used(), 0))
+
+    def report_scan(self, counts: Counter[str], first: dict[str, Found]) -> None:
         """Count what a scan found besides blocks, and log each kind once."""
         for counter, n in (("bad_headers", counts[DAMAGED]), ("temp_removed", counts["removed_" + TEMP]),
                            ("skipped_entries", counts[SKIPPED]), ("other_versions", counts[OTHER_VERSION])):
@@ -365,7 +376,7 @@ class DiskTier(BlockTier):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self.ledger.used()
 
     @property
     def capacity_bytes(self) -> int:

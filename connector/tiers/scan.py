@@ -1,6 +1,6 @@
 """tiers/scan.py: the one scan of a tier folder, trusting nothing it finds: ``scan_folder``
-(blocks and temp files: start-up recovery, ``kvstrata check``, the shared tier's sweep) and
-``scan_tails`` (tail markers: ``kvstrata check``). Each entry comes back as a ``Found``.
+(blocks and temp files: ``kvstrata check``, the shared tier's sweep), ``scan_shards`` (the same,
+one shard folder at a time: the store's background recovery) and ``scan_tails`` (tail markers: ``kvstrata check``). Each entry comes back as a ``Found``.
 
 The rules of ``folder``, applied to a whole folder:
 
@@ -114,14 +114,29 @@ def scan_folder(root: Path | str, *, fix: bool, stale_temp: Callable[[int, float
         if isinstance(item, Found):
             yield item
         else:
-            yield from _scan_shard(*item, fix, stale_temp, verify)
+            yield from _scan_shard(*item, fix, stale_temp, verify, _list)
+
+
+Lister = Callable[[str, int], "list[os.DirEntry]"]
+
+
+def scan_shards(root: Path | str, *, fix: bool, stale_temp: Callable[[int, float], bool],
+                lister: Lister) -> Iterator[list[Found]]:
+    """``scan_folder``, one shard folder at a time (an entry outside the shard folders: a list of
+    its own). ``lister(shard, dir_fd)`` lists each shard folder (the disk tier counts its bytes
+    there, under a lock); the entries it returns are examined."""
+    for item in _shards(root, "blocks"):
+        yield [item] if isinstance(item, Found) else list(_scan_shard(*item, fix, stale_temp, False, lister))
+
+
+def _list(shard: str, dir_fd: int) -> list[os.DirEntry]:
+    with os.scandir(dir_fd) as it:
+        return list(it)
 
 
 def _scan_shard(folder: str, shard: str, dir_fd: int, fix: bool,
-                stale_temp: Callable[[int, float], bool], verify: bool) -> Iterator[Found]:
-    with os.scandir(dir_fd) as it:
-        entries = list(it)
-    for entry in entries:
+                stale_temp: Callable[[int, float], bool], verify: bool, lister: Lister) -> Iterator[Found]:
+    for entry in lister(shard, dir_fd):
         name = entry.name
         parsed = parse_block_entry(name)
         if parsed is None or not parsed[0].startswith(shard) or not entry.is_file(follow_symlinks=False):

@@ -1,0 +1,93 @@
+"""``Recovery``: L2's blocks into the index in the background, so that opening a store reads no
+block file whatever the tier's size.
+
+Until it is done a lookup finds L2's blocks by header (``lookup._adopt``, as it finds another
+process's), and ``l2.size`` holds through the tier's ledger (``tiers/ledger.py``: an upper bound
+on what the folder holds until it is counted). The scan is ``tiers.recover.recover_shards``: the one
+folder scan, one shard folder at a time, deleting dead writers' temp files and damaged blocks as
+the start-up scan did. Each shard's blocks are committed filed by mtime as older than anything
+used since open (``BlockIndex.commit_recovered``): adopted or saved blocks only gain the tier bit,
+so a block is never indexed twice nor its bytes counted twice (bytes are counted from the listing,
+never from commits). The scan only reads and deletes leftovers: killing the process mid-scan
+loses nothing, and the next start scans again.
+
+The thread runs at the lowest CPU priority (``nice 19``, Linux threads have their own) and stops
+between shards when the store closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from ..index import BlockIndex
+from ..tiers import DiskTier
+from ..tiers.recover import recover_shards
+
+log = logging.getLogger(__name__)
+PAUSE_S = 0.0  # after each shard folder; tests raise it to act (write, crash) while the scan runs
+
+
+class Recovery:
+    def __init__(self, index: BlockIndex, tier: DiskTier) -> None:
+        self._index = index
+        self._tier = tier
+        self._delay_s = PAUSE_S
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self.shards = 0  # shard folders recovered so far
+        self.blocks = 0
+        tier.begin_recovery()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-l2-recovery", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every shard is recovered (True), or ``timeout`` seconds (False)."""
+        return self._done.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        _lower_priority()
+        start = time.monotonic()
+        try:
+            self._scan()
+        except Exception:  # an I/O edge: the store keeps serving, L2 accounted by its upper bound
+            log.exception("kvstrata: the recovery scan of %s failed; blocks there are still found by "
+                          "lookups, and l2.size is kept against an upper bound", self._tier.root)
+            return
+        finally:
+            self._done.set()
+        if self.blocks:
+            log.info("kvstrata: recovered %d blocks (%d bytes) from %s in %.1f s", self.blocks,
+                     self._tier.used_bytes, self._tier.root, time.monotonic() - start)
+
+    def _scan(self) -> None:
+        tier, ledger, bit = self._tier, self._tier.ledger, self._tier.bit
+        for shard, found in recover_shards(tier):
+            if shard >= 0:
+                with ledger.shard_locks[shard]:  # no delete of this process between listing and commit goes unseen
+                    keep = [f for f in found if f.meta is not None and f.meta.key not in ledger.gone]
+                    self._index.commit_recovered([f.meta for f in keep], bit, [f.mtime for f in keep])  # type: ignore[misc]
+                    ledger.shard_done()
+                self.shards += 1
+                self.blocks += len(keep)
+            if self._stop.wait(self._delay_s) if self._delay_s else self._stop.is_set():
+                return
+
+
+def _lower_priority() -> None:
+    """This thread at nice 19 (on Linux ``setpriority`` on a thread id affects that thread only)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass

@@ -1,0 +1,198 @@
+"""Start-up over a large L2: a store opens without reading its folder, serves at once by header,
+counts the folder in the background (``store/recovery.py``, ``tiers/ledger.py``), never exceeds
+``l2.size`` meanwhile, and loses nothing if it is killed mid-scan."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import assert_payloads_match, load_hit, make_config, payloads_for, random_tokens
+from kvstrata.blockfmt import HEADER_SIZE
+from kvstrata.keys import BlockChain, Namespace
+from kvstrata.store import BlockStore, recovery
+from kvstrata.tiers import DiskTier
+from kvstrata.tiers.ledger import SUMMARY
+from kvstrata.tiers.scan import BLOCK, scan_folder
+
+TESTS = Path(__file__).resolve().parent
+SIZE = 64  # payload bytes per block
+PROMPT_BLOCKS = 100
+
+
+def _prompt(i: int) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 50_000, PROMPT_BLOCKS * 16, dtype=np.uint32)
+
+
+def _fill(root: Path, ns: Namespace, prompts: range, **overrides: object) -> None:
+    """Store every block of ``prompts`` (``PROMPT_BLOCKS`` each) on L2, through the store."""
+    cfg = make_config(root, **{"l1.size": 1 << 20, "l2.size": 1 << 30, **overrides})
+    with BlockStore(cfg) as store:
+        for i in prompts:
+            epoch, chain = store.chain(ns, _prompt(i))
+            assert store.save(ns, epoch, chain, payloads_for(chain, SIZE), wait=True) == PROMPT_BLOCKS
+
+
+def _full_scan(root: Path) -> tuple[int, int, int]:
+    """(blocks, payload bytes, file bytes) of a folder, by the one folder scan, fixing nothing."""
+    found = [f for f in scan_folder(root / "l2", fix=False, stale_temp=lambda *_: False) if f.kind == BLOCK]
+    return len(found), sum(f.meta.size for f in found if f.meta), sum(f.size for f in found)
+
+
+def _folder_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in (root / "l2" / "blocks").rglob("*.kvb"))
+
+
+@pytest.fixture(scope="module")
+def big_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Namespace]:
+    """50,000 blocks (500 prompts of 100 blocks) in one L2 folder, written through the store."""
+    from conftest import make_namespace
+
+    ns = make_namespace()
+    root = tmp_path_factory.mktemp("big")
+    _fill(root, ns, range(500))
+    return root, ns
+
+
+def _serve(store: BlockStore, ns: Namespace, i: int) -> BlockChain:
+    """Look up prompt ``i`` (every block), load it, check its bytes; its chain."""
+    hit = store.lookup(ns, _prompt(i))
+    assert hit.num_blocks == PROMPT_BLOCKS, f"prompt {i}: {hit.num_blocks} blocks found"
+    n, out = load_hit(store, hit, SIZE)
+    assert n == PROMPT_BLOCKS
+    assert_payloads_match(hit.chain.keys, out, n, SIZE)
+    return hit.chain
+
+
+def test_reopened_store_over_50k_blocks_serves_before_its_scan_and_then_counts_every_byte(big_folder, monkeypatch):
+    """Scenario: a store reopens a folder of 50,000 blocks while its background scan is slowed
+    (10 ms per shard folder: over 2.5 s). Before the scan is done it answers lookups for prompts
+    written before the restart (first, middle, last) and loads their exact bytes, found by header.
+    After the scan its index holds every block once (the adopted ones not twice), ``stats`` and
+    the tier's used bytes equal a full scan of the folder, and the blocks used since open are the
+    last the LRU would evict."""
+    root, ns = big_folder
+    monkeypatch.setattr(recovery, "PAUSE_S", 0.01)
+    blocks, payload, files = _full_scan(root)
+    assert blocks == 50_000
+    with BlockStore(make_config(root, **{"l1.size": 1 << 20, "l2.size": 1 << 30})) as store:
+        used = [_serve(store, ns, i) for i in (0, 250, 499)]
+        assert not store.parts.recovery.done, "the lookups waited for the scan"
+        assert store.wait_recovered(120)
+        stats = store.stats()
+        assert stats["tiers"]["l2"] == {"blocks": blocks, "bytes": payload, "capacity_bytes": 1 << 30}
+        assert len(store.index) == blocks
+        assert store.l2.used_bytes == files
+        spaces = stats["namespaces"][ns.seed[:8].hex()]
+        assert sum(e["blocks"] for e in spaces.values()) == blocks
+        assert store.counters.get("adopt_wrong_size") == 0
+        victims = set(store.index.lru_victims(store.l2.bit, blocks - 3 * PROMPT_BLOCKS))
+        kept = store.index.rows_of([k for chain in used for k in chain.keys])
+        assert not victims & set(kept.tolist()), "blocks used since open would be evicted before unused ones"
+
+
+_CHILD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from conftest import make_config, make_namespace, payloads_for
+from kvstrata.store import BlockStore, recovery
+import numpy as np
+recovery.PAUSE_S = 0.02
+store = BlockStore(make_config(sys.argv[2], **{"l1.size": 1 << 20, "l2.size": 1 << 30}))
+ns = make_namespace()
+tokens = np.arange(10 * 16, dtype=np.uint32) + 7
+epoch, chain = store.chain(ns, tokens)
+print("saved", store.save(ns, epoch, chain, payloads_for(chain, 64), wait=True), flush=True)
+while True:
+    print("shards", store.parts.recovery.shards, flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_sigkill_during_the_background_scan_loses_nothing_and_the_next_start_removes_leftovers(tmp_path, monkeypatch):
+    """Scenario: a folder holds 20 prompts and the temp file of a writer that died after the last
+    store closed there. A process opens it, saves a 10-block prompt and is SIGKILLed while its
+    background scan is a few dozen shards in (before the temp file's shard). A new store then
+    serves every prompt (the 20 and the killed process's) with exact bytes, and once its scan is
+    done the temp file is gone and the index matches a full scan."""
+    from conftest import make_namespace
+
+    ns = make_namespace()
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        leftover = tmp_path / "l2" / "blocks" / "ab" / f".ab{'0' * 30}.{writer.pid}.3.tmp"
+        leftover.parent.mkdir(parents=True)
+        leftover.write_bytes(b"x" * 100)
+        _fill(tmp_path, ns, range(20))  # the writer is alive: its temp file is a write in progress
+    finally:
+        writer.kill()
+        writer.wait()
+    assert leftover.exists()
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(TESTS), str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().split() == ["saved", "10"]
+        while int(child.stdout.readline().split()[1]) < 30:
+            pass
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert leftover.exists(), "the killed scan was past shard ab: slow it down"
+    monkeypatch.setattr(recovery, "PAUSE_S", 0.0)
+    with BlockStore(make_config(tmp_path, **{"l1.size": 1 << 20, "l2.size": 1 << 30})) as store:
+        for i in range(20):
+            _serve(store, ns, i)
+        tokens = np.arange(10 * 16, dtype=np.uint32) + 7
+        hit = store.lookup(ns, tokens)
+        n, out = load_hit(store, hit, SIZE)
+        assert n == 10, (hit.num_blocks, hit.tiers, store.counters.snapshot())
+        assert_payloads_match(hit.chain.keys, out, n, SIZE)
+        assert store.wait_recovered(60)
+        assert not list((tmp_path / "l2").rglob("*.tmp"))
+        assert store.counters.get("l2_temp_removed") >= 1
+        blocks, payload, files = _full_scan(tmp_path)
+        assert blocks == 20 * PROMPT_BLOCKS + 10 == len(store.index)
+        assert store.stats()["tiers"]["l2"]["bytes"] == payload
+        assert store.l2.used_bytes == files
+
+
+@pytest.mark.parametrize("summary", [True, False], ids=["clean_restart", "after_a_crash"])
+def test_capacity_holds_while_the_folder_is_still_being_counted(tmp_path, monkeypatch, summary):
+    """Scenario: a folder holds 2,000 blocks; a store reopens it with ``l2.size`` at exactly what
+    they take and its scan slowed (over 1 s), with the usage summary of the last clean close, or
+    without one (a crash: the bound comes from ``l2.size`` and the filesystem). Right away it
+    saves twice ``l2.size`` of new prompts. After every save, the folder holds at most ``l2.size``
+    bytes (measured on disk) and the tier never claims more; afterwards the count is exact and
+    the newest prompts are served."""
+    from conftest import make_namespace
+
+    ns = make_namespace()
+    _fill(tmp_path, ns, range(20))
+    capacity = _folder_bytes(tmp_path)
+    assert capacity == 20 * PROMPT_BLOCKS * (HEADER_SIZE + SIZE)
+    summary_file = tmp_path / "l2" / SUMMARY
+    assert summary_file.is_file()
+    if not summary:
+        summary_file.unlink()
+    monkeypatch.setattr(recovery, "PAUSE_S", 0.005)
+    with BlockStore(make_config(tmp_path, **{"l1.size": 1 << 20, "l2.size": capacity})) as store:
+        assert store.l2.used_bytes >= capacity  # it cannot know it is not full yet
+        stored = 0
+        for i in range(1000, 1040):  # 40 prompts: twice the capacity
+            epoch, chain = store.chain(ns, _prompt(i))
+            stored += store.save(ns, epoch, chain, payloads_for(chain, SIZE), wait=True)
+            assert store.l2.used_bytes <= capacity
+            assert _folder_bytes(tmp_path) <= capacity, f"over l2.size after prompt {i}"
+        assert stored == 40 * PROMPT_BLOCKS  # L1 took them all; L2 only what fitted
+        assert store.wait_recovered(60)
+        assert store.l2.used_bytes == _folder_bytes(tmp_path) <= capacity
+        _serve(store, ns, 1039)
