@@ -139,7 +139,7 @@ def gc(args: argparse.Namespace) -> int:
 def bench_store(args: argparse.Namespace) -> int:
     from .tools.bench.store import run
 
-    result = run(quick=args.quick, progress=not args.json)
+    result = run(quick=args.quick, progress=not args.json, scale=args.scale)
     print(json.dumps(result))
     return 0
 
@@ -246,6 +246,8 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     bs = add(bench, "bench store", "store micro-benchmark against raw baselines")
     bs.add_argument("--quick", action="store_true", help="finish in under 30 s")
     bs.add_argument("--json", action="store_true", help="only the JSON line")
+    bs.add_argument("--scale", type=int, default=None, metavar="N",
+                    help="blocks on L2 for the start-up figures (default 1,000,000; 2,000 with --quick; 0: skip)")
     rp = with_config(add(sub, "replay", "replay chat traffic through the store alone (two processes), "
                              "checking every served block"))
     rp.add_argument("--conversations", type=int, default=40, help="conversations to replay (default 40)")

@@ -92,10 +92,14 @@ def test_bench_store_quick_prints_every_field():
     data = json.loads(res.stdout.strip().splitlines()[-1])
     for field in ("memcpy_gbps", "l1_put_gbps", "l1_get_gbps", "pwrite_gbps", "pread_gbps",
                   "disk_put_gbps", "disk_get_gbps", "lookup_us_per_1k_blocks",
-                  "engine_hash_us_per_1k_blocks", "index_bytes_per_entry"):
+                  "engine_hash_us_per_1k_blocks", "index_bytes_per_entry",
+                  # the scale section, tiny in --quick (scale_blocks says how many)
+                  "open_ms_empty", "open_ms_at_1m", "first_lookup_ms_at_1m", "recovery_s_at_1m",
+                  "lookup_us_per_1k_blocks_at_1m", "index_bytes_per_entry_at_1m", "check_s_at_1m"):
         assert field in data, field
         assert data[field] is None or data[field] > 0, field
     assert set(data["by_block_size"]) == {"256KiB", "1MiB", "4MiB"}
+    assert data["scale_blocks"] == 2_000
 
 
 def _keys(model: type, prefix: str = "") -> list[str]:

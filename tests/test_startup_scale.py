@@ -12,13 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from conftest import assert_payloads_match, load_hit, make_config, payloads_for, random_tokens
-from kvstrata.blockfmt import HEADER_SIZE
+from conftest import assert_payloads_match, load_hit, make_config, payload_for, payloads_for
+from kvstrata.blockfmt import HEADER_SIZE, payload_checksum
+from kvstrata.index import EntryMeta
 from kvstrata.keys import BlockChain, Namespace
+from kvstrata.metrics import Counters
 from kvstrata.store import BlockStore, recovery
 from kvstrata.tiers import DiskTier
 from kvstrata.tiers.ledger import SUMMARY
+from kvstrata.tiers.recover import recover_shards
 from kvstrata.tiers.scan import BLOCK, scan_folder
 
 TESTS = Path(__file__).resolve().parent
@@ -196,3 +200,55 @@ def test_capacity_holds_while_the_folder_is_still_being_counted(tmp_path, monkey
         assert store.wait_recovered(60)
         assert store.l2.used_bytes == _folder_bytes(tmp_path) <= capacity
         _serve(store, ns, 1039)
+
+
+def _block(shard: int, i: int, size: int = SIZE) -> tuple[EntryMeta, torch.Tensor]:
+    key = bytes([shard]) + i.to_bytes(15, "little")
+    payload = payload_for(key, size)
+    meta = EntryMeta(key, bytes(16), i, 16, b"s" * 16, 1, size, payload_checksum(memoryview(payload.numpy())))
+    return meta, payload
+
+
+@pytest.mark.parametrize("action", ["delete_listed", "delete_unscanned", "write_here", "write_unscanned",
+                                    "rewrite_listed"])
+@pytest.mark.parametrize("at", [1, 5, 12])
+def test_the_count_is_exact_whatever_this_process_writes_and_deletes_while_a_shard_is_counted(tmp_path, action, at):
+    """Scenario: shards 00 and 01 hold 8 blocks each; the recovery scan of the tier runs, and at
+    its ``at``-th step (while listing or examining shard 00) this process deletes or writes a
+    block in the shard being counted or in one not reached yet, or writes a listed block again.
+    When the scan is done the tier's used bytes are exactly the bytes of the block files on disk
+    (one rewrite aside, counted twice: never less), and no block it deleted is handed over for
+    the index."""
+    root = tmp_path / "l2"
+    tier = DiskTier(Counters(), root, 1 << 30)
+    for shard in (0, 1):
+        for i in range(8):
+            assert tier.write(*_block(shard, i))
+    tier = DiskTier(Counters(), root, 1 << 60)  # reopened: the 16 blocks are not counted yet
+    tier.begin_recovery()  # (bound: the filesystem's usage, under this capacity: room to write)
+    deleted: list[bytes] = []
+    steps = [0]
+
+    def pace() -> None:
+        steps[0] += 1
+        if steps[0] != at:
+            return
+        if action in ("delete_listed", "delete_unscanned"):
+            meta, _ = _block(0 if action == "delete_listed" else 1, 3)
+            tier.delete(meta.key)
+            deleted.append(meta.key)
+        elif action == "rewrite_listed":
+            assert tier.write(*_block(0, 3))
+        else:
+            assert tier.write(*_block(0 if action == "write_here" else 1, 100))
+
+    handed: list[bytes] = []
+    for shard, found in recover_shards(tier, pace):
+        with tier.ledger.shard_locks[shard]:
+            handed += [f.meta.key for f in found if f.meta and f.meta.key not in tier.ledger.gone]
+            tier.ledger.shard_done()
+    assert not tier.ledger.counting
+    on_disk = sum(p.stat().st_size for p in (root / "blocks").rglob("*.kvb"))
+    extra = (HEADER_SIZE + SIZE) if action == "rewrite_listed" else 0
+    assert on_disk <= tier.used_bytes <= on_disk + extra
+    assert not set(deleted) & set(handed)

@@ -106,11 +106,19 @@ class BlockStore:
         """The longest valid stored prefix of ``tokens``, possibly ending in a stored partial
         block. With ``pin`` (vLLM's ``prepare_load``) the hit's blocks are pinned until
         ``complete_load(hit)``; ``hit.tiers`` says where each was at lookup time."""
+        self._serving()
         return self.lookups.lookup(ns, tokens, extra, pin=pin)
 
     def lookup_chain(self, ns: Namespace, epoch: int, chain: BlockChain, *, pin: bool = False) -> Hit:
         """``lookup`` for a chain the caller built (``keys.chain_digests``); no partial tails."""
+        self._serving()
         return self.lookups.lookup_chain(ns, epoch, chain, pin=pin)
+
+    def _serving(self) -> None:
+        """Tell L2's background recovery, if still running, to make way for a request."""
+        recovery = self.parts.recovery
+        if recovery is not None and not recovery.done:
+            recovery.note_request()
 
     def complete_load(self, hit: Hit) -> None:
         """Give back the pin of a pinned lookup (nothing for an unpinned one)."""
@@ -139,6 +147,7 @@ class BlockStore:
         blocks are made resident in L1 (staging; ``arena.slots(hit)`` then names their slots).
         Staging can be queued (``wait=False``): it runs on a save thread and ``on_done(n)``
         hears the blocks in L1 (None if the job failed); False when the queue is full."""
+        self._serving()
         return self.loader.load(hit, out, wait=wait, on_done=on_done)
 
     # ----------------------------------------------------------------- store

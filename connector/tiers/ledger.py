@@ -19,8 +19,10 @@ tier that was not full may evict before writing: conservative, never over the bo
 
 Counting a shard races with this process's writes and deletes in it, so each shard has a lock:
 publishing a file (rename) and deleting one record their bytes in the shard's ``delta`` under it,
-and the scan lists the shard and reads ``delta`` under it too. What the folder held at open is
-then ``listed - delta`` exactly, whatever the order of the writes, deletes and listing.
+and the scan lists the shard and reads ``delta`` under it too. The sizes of the listed files are
+read after (not holding the lock); a listed file this process deleted meanwhile is counted with
+the size its deletion recorded (``gone``). What the folder held at open is then ``listed - delta``
+exactly, whatever the order of the writes, deletes and listing.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ class Ledger:
         self._known = 0
         self._bound: int | None = None  # None: exact (nothing left to count)
         self._watched = -1  # the shard being recovered: its deleted keys are noted in ``gone``
-        self.gone: set[bytes] = set()
+        self._listed_delta = 0
+        self.gone: dict[bytes, int] = {}  # key -> bytes, deleted from the watched shard since its listing
 
     def begin(self, bound: int) -> None:
         """The folder's blocks will be counted shard by shard; until then it holds at most ``bound``."""
@@ -179,17 +182,21 @@ class Ledger:
         """A file of ``n`` bytes was deleted from ``shard`` (hold the shard's lock)."""
         self._delta[shard] -= n
         if shard == self._watched:
-            self.gone.add(key)
+            self.gone[key] = n
         with self._lock:
             self._net -= n
 
-    def listed(self, shard: int, nbytes: int) -> None:
-        """The recovery scan listed ``shard`` holding ``nbytes`` of blocks (hold the shard's lock):
-        what it held at open is that minus what this process changed there since."""
+    def listing(self, shard: int) -> None:
+        """The recovery scan lists ``shard`` now (hold the shard's lock)."""
         self._watched = shard
-        self.gone = set()
+        self._listed_delta = self._delta[shard]
+        self.gone = {}
+
+    def listed(self, nbytes: int) -> None:
+        """The files listed in the watched shard hold ``nbytes`` (those deleted since counted from
+        ``gone``): what it held at open is that minus what this process changed there before."""
         with self._lock:
-            self._known += nbytes - self._delta[shard]
+            self._known += nbytes - self._listed_delta
 
     def not_blocks(self, nbytes: int) -> None:
         """Listed files the scan found are not servable blocks (damaged, other versions): out of
@@ -200,7 +207,7 @@ class Ledger:
     def shard_done(self) -> None:
         """The listed shard's blocks are in the index (hold its lock)."""
         self._watched = -1
-        self.gone = set()
+        self.gone = {}
 
     def counted_all(self) -> None:
         """Every shard is counted: ``used`` is exact from now on."""

@@ -121,12 +121,13 @@ Lister = Callable[[str, int], "list[os.DirEntry]"]
 
 
 def scan_shards(root: Path | str, *, fix: bool, stale_temp: Callable[[int, float], bool],
-                lister: Lister) -> Iterator[list[Found]]:
-    """``scan_folder``, one shard folder at a time (an entry outside the shard folders: a list of
-    its own). ``lister(shard, dir_fd)`` lists each shard folder (the disk tier counts its bytes
-    there, under a lock); the entries it returns are examined."""
+                lister: Lister) -> Iterator[Iterator[Found]]:
+    """``scan_folder``, one shard folder at a time: an iterator over each shard's entries (an
+    entry outside the shard folders: one of its own), to be run through before the next.
+    ``lister(shard, dir_fd)`` lists each shard folder (the disk tier counts its bytes there,
+    under a lock); the entries it returns are examined."""
     for item in _shards(root, "blocks"):
-        yield [item] if isinstance(item, Found) else list(_scan_shard(*item, fix, stale_temp, False, lister))
+        yield iter([item]) if isinstance(item, Found) else _scan_shard(*item, fix, stale_temp, False, lister)
 
 
 def _list(shard: str, dir_fd: int) -> list[os.DirEntry]:

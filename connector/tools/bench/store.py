@@ -199,7 +199,9 @@ def _index_bytes(n: int) -> dict[str, float]:
     return {"index_bytes_per_entry": round(used / n + key_obj, 1), "index_entries_measured": n}
 
 
-def run(quick: bool = False, progress: bool = True) -> dict[str, object]:
+def run(quick: bool = False, progress: bool = True, scale: int | None = None) -> dict[str, object]:
+    """The whole benchmark; ``scale``: blocks of the scale section (``store_scale``; default
+    1,000,000, or 2,000 with ``quick``; 0 skips it)."""
     total = (64 if quick else 256) << 20
     rounds = 3 if quick else 7
     sizes = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
@@ -222,6 +224,13 @@ def run(quick: bool = False, progress: bool = True) -> dict[str, object]:
         if progress:
             print("  index memory ...", flush=True)
         out.update(_index_bytes(1_000_000))
+        scale = (2_000 if quick else 1_000_000) if scale is None else scale
+        if scale:
+            if progress:
+                print(f"  scale: {scale:,} blocks on L2 ...", flush=True)
+            from .store_scale import scale_fields
+
+            out.update(scale_fields(scale, tmp, progress))
         if progress:
             print("  SGLang file backend beside StrataStorage ...", flush=True)
         from .store_sglang import sglang_fields  # in SGLang's environment when not importable here
@@ -249,4 +258,7 @@ def _ratios(r: dict[str, object]) -> dict[str, float | None]:
     eng = r.get("engine_hash_us_per_1k_blocks")
     worst["lookup_vs_engine_hash"] = None if eng is None else ratio(
         "lookup_us_per_1k_blocks", "engine_hash_us_per_1k_blocks", r)
+    if "open_ms_at_1m" in r:
+        worst["open_at_1m_vs_empty"] = ratio("open_ms_at_1m", "open_ms_empty", r)
+        worst["lookup_at_1m_vs_small_index"] = ratio("lookup_us_per_1k_blocks_at_1m", "lookup_us_per_1k_blocks", r)
     return worst
