@@ -11,7 +11,9 @@ one filesystem block on disk), so a million fit on this machine's disk in minute
   right after open, found by header, and loading it;
 - ``recovery_s_at_1m``: until the background scan has every block in the index (what opening cost
   before it moved to the background);
-- ``lookup_us_per_1k_blocks_at_1m``: ``lookup_us_per_1k_blocks`` with the N entries resident;
+- ``lookup_us_per_1k_blocks_at_1m``: ``lookup_us_per_1k_blocks`` with the N entries resident,
+  and ``lookup_us_per_1k_blocks_small_beside``: the same in a store of 1,000 entries, the two
+  measured round by round in turn (a shared machine's load drifts between sections of the run);
 - ``index_bytes_per_entry_at_1m``: the recovered index's allocations (numpy columns at capacity,
   the key dict and its key objects, the free list, the tail counts) per entry;
 - ``check_s_at_1m``: ``kvstrata check`` (every header and payload checksum) over the folder.
@@ -125,7 +127,10 @@ def scale_fields(n: int, tmp: Path, progress: bool = True) -> dict[str, object]:
         out["recovery_s_at_1m"] = round(time.perf_counter() - t0, 2)
         if len(store.index) < out["scale_blocks"]:  # type: ignore[operator]
             raise RuntimeError(f"recovered {len(store.index)} of {out['scale_blocks']} blocks")
-        out["lookup_us_per_1k_blocks_at_1m"] = round(_lookup_us(store, 1000), 1)
+        with BlockStore(_config(tmp / "scale-small" / "l2", n)) as small:  # type: ignore[arg-type]
+            big_us, small_us = _lookup_us([store, small], 1000)
+        out["lookup_us_per_1k_blocks_at_1m"] = round(big_us, 1)
+        out["lookup_us_per_1k_blocks_small_beside"] = round(small_us, 1)
         out["index_bytes_per_entry_at_1m"] = round(_index_bytes(store.index), 1)
     finally:
         store.close()
@@ -139,16 +144,18 @@ def scale_fields(n: int, tmp: Path, progress: bool = True) -> dict[str, object]:
     return out
 
 
-def _lookup_us(store: BlockStore, n_blocks: int, rounds: int = 25) -> float:
-    """The ``lookup_us_per_1k_blocks`` measure (``store._lookup``) in ``store``."""
+def _lookup_us(stores: list[BlockStore], n_blocks: int, rounds: int = 25) -> list[float]:
+    """The ``lookup_us_per_1k_blocks`` measure (``store._lookup``) in each store, in turn."""
     ns = Namespace("bench", "bench-model", "v1", "bfloat16", "bench", 16)
     tokens = np.random.default_rng(0).integers(0, 150_000, n_blocks * 16, dtype=np.uint32)
-    epoch, chain = store.chain(ns, tokens)
-    store.save(ns, epoch, chain, torch.zeros((n_blocks, SCALE_BLOCK_BYTES), dtype=torch.uint8), wait=True)
-    times = []
+    for store in stores:
+        epoch, chain = store.chain(ns, tokens)
+        store.save(ns, epoch, chain, torch.zeros((n_blocks, SCALE_BLOCK_BYTES), dtype=torch.uint8), wait=True)
+    times: list[list[float]] = [[] for _ in stores]
     for _ in range(rounds):
-        t = time.perf_counter()
-        hit = store.lookup(ns, tokens)
-        times.append(time.perf_counter() - t)
-        assert hit.num_blocks == n_blocks
-    return statistics.median(times) * 1e6 * 1000 / n_blocks
+        for store, out in zip(stores, times):
+            t = time.perf_counter()
+            hit = store.lookup(ns, tokens)
+            out.append(time.perf_counter() - t)
+            assert hit.num_blocks == n_blocks
+    return [statistics.median(t) * 1e6 * 1000 / n_blocks for t in times]
