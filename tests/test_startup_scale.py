@@ -252,3 +252,22 @@ def test_the_count_is_exact_whatever_this_process_writes_and_deletes_while_a_sha
     extra = (HEADER_SIZE + SIZE) if action == "rewrite_listed" else 0
     assert on_disk <= tier.used_bytes <= on_disk + extra
     assert not set(deleted) & set(handed)
+
+
+def test_an_invalidation_during_the_scan_reclaims_the_old_generation_everywhere(tmp_path, monkeypatch):
+    """Scenario: a folder holds 20 prompts; a store reopens it with its scan slowed and, before
+    the scan is done, invalidates the namespace (its gc sees only the blocks indexed so far).
+    Once the scan is done every file of the old generation is gone, and the prompts miss."""
+    from conftest import make_namespace
+
+    ns = make_namespace()
+    _fill(tmp_path, ns, range(20))
+    monkeypatch.setattr(recovery, "PAUSE_S", 0.005)
+    with BlockStore(make_config(tmp_path, **{"l1.size": 1 << 20, "l2.size": 1 << 30})) as store:
+        store.invalidate(ns.seed)
+        assert not store.parts.recovery.done
+        assert list((tmp_path / "l2" / "blocks").rglob("*.kvb")), "nothing left for the scan to find"
+        assert store.wait_recovered(60)
+        assert not list((tmp_path / "l2" / "blocks").rglob("*.kvb"))
+        assert store.lookup(ns, _prompt(0)).num_blocks == 0
+        assert len(store.index) == 0

@@ -312,8 +312,9 @@ def test_l2_capacity_bound_holds_after_one_prompt_larger_than_l2(store_factory, 
 
 def test_recovered_blocks_leave_l2_oldest_first(tmp_path, ns):
     """Scenario: 1100 one-block prompts are on disk with increasing mtimes (more than the index's
-    initial 1024 rows); a store reopens the folder with room for 1000 blocks and writes one more
-    block, which forces L2 evictions: the blocks that go are the oldest files, never newer ones."""
+    initial 1024 rows); a store reopens the folder with room for 1000 blocks (its recovery trims
+    the excess) and writes one more block, which forces another L2 eviction: the blocks that go
+    are the oldest files, never newer ones."""
     size = 32
     file_bytes = HEADER_SIZE + size
     prompts = _prompts("r", 1100)
@@ -324,7 +325,7 @@ def test_recovered_blocks_leave_l2_oldest_first(tmp_path, ns):
     with BlockStore(make_config(tmp_path, **{"l1.size": 2000 * size,
                                              "l2.size": 1000 * file_bytes})) as b:
         assert b.wait_recovered(30)  # the background scan files the recovered blocks by mtime
-        assert len(b.index) == 1100
+        assert len(b.index) == 1000  # and then trims the folder to the lowered l2.size
         store_prompt(b, ns, random_tokens("new", BLOCK_SIZE), size)
         assert b.l2.used_bytes <= 1000 * file_bytes
         gone = [i for i, k in enumerate(keys) if not b.l2.path(k).exists()]

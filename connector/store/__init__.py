@@ -61,6 +61,8 @@ class BlockStore:
         self.lookups = Lookup(self.parts)
         self.loader = Loader(self.parts, self.writer, self.evictor)
         self.arena = Arena(self.parts.l1)
+        if self.parts.recovery is not None:
+            self.parts.recovery.start(then=self.evictor.after_recovery)
 
     # The shared pieces, for tools, checks and tests (engine glue uses the protocol only).
     @property

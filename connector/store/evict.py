@@ -101,8 +101,8 @@ class Evictor:
     def _await_count(self, tier: BlockTier) -> bool:
         """Wait (up to ``_COUNT_WAIT_S``) for the count of L2's folder if it is still running:
         True if it finished, and the real figure may have room."""
-        recovery = self.p.recovery
-        if (tier is not self.p.l2 or recovery is None or recovery.done
+        recovery, l2 = self.p.recovery, self.p.l2
+        if (tier is not l2 or l2 is None or recovery is None or not l2.ledger.counting
                 or self._holder == threading.get_ident()):
             return False
         return recovery.wait(_COUNT_WAIT_S)
@@ -141,14 +141,7 @@ class Evictor:
     def gc(self, only: list[bytes] | None = None) -> dict[str, int]:
         """Reclaim unpinned entries of older epochs, then enforce every tier's capacity."""
         p = self.p
-        removed = Counter[str]()
-        for seed in only or self.namespaces():
-            rows = p.index.stale_rows(seed, p.epochs.get(seed))
-            bits = p.index.tiers_of(np.array(rows, dtype=np.int64)).tolist() if rows else []
-            for tier in p.tiers:
-                dropped = [m for row, b in zip(rows, bits) if b & tier.bit and (m := self.drop_from(tier, row))]
-                removed[tier.name] += len(dropped)
-                p.counters.tier_changed(tier.name, dropped, False)
+        removed = self._drop_stale(only, p.tiers)
         for tier in p.backing:
             self.enforce_capacity(tier)
             swept = tier.sweep(p.config.lease_seconds)
@@ -156,3 +149,25 @@ class Evictor:
                 removed[tier.name] += swept
         p.counters.inc("gc_removed", sum(removed.values()))
         return dict(removed)
+
+    def after_recovery(self) -> None:
+        """L2's folder is all in the index now: drop its blocks of older epochs (an invalidation
+        during the scan could not see them) and trim it to ``l2.size`` (lowered since it was
+        filled). Runs on the recovery thread."""
+        p = self.p
+        assert p.l2 is not None
+        removed = self._drop_stale(None, [p.l2])
+        self.enforce_capacity(p.l2)
+        p.counters.inc("gc_removed", sum(removed.values()))
+
+    def _drop_stale(self, only: list[bytes] | None, tiers: list[BlockTier]) -> Counter[str]:
+        p = self.p
+        removed = Counter[str]()
+        for seed in only or self.namespaces():
+            rows = p.index.stale_rows(seed, p.epochs.get(seed))
+            bits = p.index.tiers_of(np.array(rows, dtype=np.int64)).tolist() if rows else []
+            for tier in tiers:
+                dropped = [m for row, b in zip(rows, bits) if b & tier.bit and (m := self.drop_from(tier, row))]
+                removed[tier.name] += len(dropped)
+                p.counters.tier_changed(tier.name, dropped, False)
+        return removed

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 from ..index import BlockIndex
 from ..tiers import DiskTier
@@ -40,9 +41,11 @@ YIELD_EVERY = 32
 
 class Recovery:
     def __init__(self, index: BlockIndex, tier: DiskTier) -> None:
+        """Counted from now on (``used_bytes`` an upper bound); the scan runs from ``start``."""
         self._index = index
         self._tier = tier
         self._delay_s = PAUSE_S
+        self._then: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._done = threading.Event()
         self.shards = 0  # shard folders recovered so far
@@ -51,6 +54,11 @@ class Recovery:
         self._owed = 0  # entries to examine before the scan may sleep again
         tier.begin_recovery()
         self._thread = threading.Thread(target=self._run, name="kvstrata-l2-recovery", daemon=True)
+
+    def start(self, then: Callable[[], None] | None = None) -> None:
+        """Run the scan; ``then()`` after it, on its thread, if it ran through (the store's
+        reclaim of older epochs and trim to ``l2.size``)."""
+        self._then = then
         self._thread.start()
 
     @property
@@ -58,7 +66,8 @@ class Recovery:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every shard is recovered (True), or ``timeout`` seconds (False)."""
+        """Wait until every shard is recovered and ``then`` has run (True), or ``timeout`` seconds
+        (False)."""
         return self._done.wait(timeout)
 
     def note_request(self) -> None:
@@ -74,17 +83,18 @@ class Recovery:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if self._thread is not threading.current_thread() and self._thread.ident is not None:
             self._thread.join()
 
     def _run(self) -> None:
         _lower_priority()
         start = time.monotonic()
         try:
-            self._scan()
+            if self._scan() and self._then is not None:
+                self._then()
         except Exception:  # an I/O edge: the store keeps serving, L2 accounted by its upper bound
-            log.exception("kvstrata: the recovery scan of %s failed; blocks there are still found by "
-                          "lookups, and l2.size is kept against an upper bound", self._tier.root)
+            log.exception("kvstrata: the recovery of %s failed; blocks there are still found by lookups, "
+                          "and l2.size is kept against an upper bound until it is counted", self._tier.root)
             return
         finally:
             self._done.set()
@@ -92,7 +102,7 @@ class Recovery:
             log.info("kvstrata: recovered %d blocks (%d bytes) from %s in %.1f s", self.blocks,
                      self._tier.used_bytes, self._tier.root, time.monotonic() - start)
 
-    def _scan(self) -> None:
+    def _scan(self) -> bool:
         tier, ledger, bit = self._tier, self._tier.ledger, self._tier.bit
         for shard, found in recover_shards(tier, self._pace):
             if shard >= 0:
@@ -103,7 +113,8 @@ class Recovery:
                 self.shards += 1
                 self.blocks += len(keep)
             if self._stop.wait(self._delay_s) if self._delay_s else self._stop.is_set():
-                return
+                return False
+        return True
 
 
 def _lower_priority() -> None:
