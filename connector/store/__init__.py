@@ -272,18 +272,13 @@ class BlockStore:
 
     def stats(self) -> dict[str, object]:
         p = self.parts
-        tiers = {t.name: {"blocks": 0, "bytes": 0, "capacity_bytes": t.capacity_bytes} for t in p.tiers}
+        census = p.index.census([t.bit for t in p.tiers])  # vectorized: seconds saved at millions of blocks
+        tiers = {t.name: {"blocks": census.per_tier[t.bit][0], "bytes": census.per_tier[t.bit][1],
+                          "capacity_bytes": t.capacity_bytes} for t in p.tiers}
         spaces: dict[str, dict[str, dict[str, int]]] = {}
-        for _row, meta, bits in p.index.entries():
-            per_epoch = spaces.setdefault(meta.ns_seed[:8].hex(), {}).setdefault(
-                f"{meta.epoch:016x}", {"blocks": 0, "bytes": 0})
-            per_epoch["blocks"] += 1
-            per_epoch["bytes"] += meta.size
-            for t in p.tiers:
-                if bits & t.bit:
-                    tiers[t.name]["blocks"] += 1
-                    tiers[t.name]["bytes"] += meta.size
-        seeds = self.namespaces()
+        for (seed, epoch), (blocks, nbytes) in sorted(census.per_epoch.items()):
+            spaces.setdefault(seed[:8].hex(), {})[f"{epoch:016x}"] = {"blocks": blocks, "bytes": nbytes}
+        seeds = sorted(set(census.seeds) | set(p.epochs.known()))
         current = {s[:8].hex(): f"{p.epochs.get(s):016x}" for s in seeds}
         described = {s[:8].hex(): asdict(ns) for s, ns in self.descriptors(seeds).items()}
         return {"tiers": tiers, "namespaces": spaces, "current_epochs": current,

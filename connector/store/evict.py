@@ -135,8 +135,7 @@ class Evictor:
         return meta
 
     def namespaces(self) -> list[bytes]:
-        seeds = {meta.ns_seed for _, meta, _ in self.p.index.entries()}
-        return sorted(seeds | set(self.p.epochs.known()))
+        return sorted(set(self.p.index.census([]).seeds) | set(self.p.epochs.known()))
 
     def gc(self, only: list[bytes] | None = None) -> dict[str, int]:
         """Reclaim unpinned entries of older epochs, then enforce every tier's capacity."""
