@@ -57,8 +57,15 @@ def config_check(args: argparse.Namespace) -> int:
 
 @command("stats")
 def stats(args: argparse.Namespace) -> int:
-    with _open(args) as store:
+    with BlockStore(load_config(args.config)) as store:
+        counted = store.wait_recovered(args.wait)
         data = store.stats()
+        recovery = store.parts.recovery
+        if not counted and recovery is not None:  # L2 is counted shard by shard: say what is known
+            share = max(recovery.shards, 1) / 256
+            l2 = data["tiers"]["l2"]  # type: ignore[index]
+            data["estimating"] = {"shard_folders_counted": recovery.shards, "of": 256,
+                                  "l2_blocks": round(l2["blocks"] / share), "l2_bytes": round(l2["bytes"] / share)}
     if args.json:
         print(json.dumps(data))
         return 0
@@ -229,8 +236,11 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     checks = cfg.add_subparsers(dest="sub", required=True)
     add(checks, "config check", "validate a config file (exit 2 with the reasons if it is wrong)").add_argument(
         "file", help="the YAML file")
-    with_config(add(sub, "stats", "what is stored: size per tier, and per model (namespace)")).add_argument(
-        "--json", action="store_true", help=JSON_HELP)
+    st = with_config(add(sub, "stats", "what is stored: size per tier, and per model (namespace)"))
+    st.add_argument("--json", action="store_true", help=JSON_HELP)
+    st.add_argument("--wait", type=float, default=10.0, metavar="S",
+                    help="seconds to wait for the disk tier to be counted (default 10); past that, the "
+                         "figures are what is counted so far, with an estimate of the whole")
     chk = with_config(add(sub, "check", "verify every block on the disk tier (exit 1 if any is bad)"))
     chk.add_argument("--fix", action="store_true", help="delete bad blocks and leftovers")
     chk.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -33,6 +33,12 @@ def size_text(n: int) -> str:
 
 
 def render(data: Mapping[str, Any], console: Console) -> None:
+    est = data.get("estimating")
+    if est:
+        console.print(Text(f"estimating: the disk tier is still being counted ({est['shard_folders_counted']} of "
+                           f"{est['of']} shard folders); about {est['l2_blocks']:,} blocks, "
+                           f"{size_text(est['l2_bytes'])} in all. The figures below are what is counted so far.",
+                           style="yellow"), soft_wrap=True)
     console.print(_tiers(data["tiers"]))
     described = data.get("descriptors", {})
     current, spaces = data["current_epochs"], data["namespaces"]

@@ -308,3 +308,30 @@ def test_stats_count_every_namespace_generation_and_tier_like_a_loop_over_the_en
             for ns, eps in stats["namespaces"].items()} == expect_spaces
     assert len(expect_spaces) == 2 and sum(len(e) for e in expect_spaces.values()) == 3
     assert expect_tiers["l1"][0] and expect_tiers["l2"][0]
+
+
+def test_stats_of_a_folder_still_being_counted_says_it_is_estimating(tmp_path):
+    """Scenario: ``kvstrata stats --wait 0`` on a folder of 20 prompts answers before its count is
+    done (a fresh process: the count takes longer than no time): the JSON says how many shard
+    folders were counted and estimates L2's blocks; with the default wait the count is complete
+    and there is no estimate."""
+    import json
+
+    from conftest import make_namespace
+
+    ns = make_namespace()
+    _fill(tmp_path, ns, range(20))
+    cfg = tmp_path / "kvstrata.yaml"
+    cfg.write_text(f"l2:\n  path: {tmp_path / 'l2'}\n  size: 1GiB\nl1:\n  size: 1MiB\n  pin_memory: false\n")
+
+    def stats(*extra: str) -> dict:
+        res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "stats", "--config", str(cfg), "--json", *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    quick = stats("--wait", "0")
+    assert quick["estimating"]["of"] == 256 and quick["estimating"]["shard_folders_counted"] < 256
+    full = stats()
+    assert "estimating" not in full
+    assert full["tiers"]["l2"]["blocks"] == 20 * PROMPT_BLOCKS
