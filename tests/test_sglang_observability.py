@@ -70,10 +70,9 @@ def scrape_until(server: SGLangServer, ready: Callable[[str], bool], timeout: fl
     return text
 
 
-@pytest.fixture(scope="module")
-def served(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("sglang-observability")
-    cfg = write_config(tmp / "sglang.json", tmp / "l2")
+def run_scenario(model: str, tmp: Path, tier: str, **extra: Any) -> dict[str, Any]:
+    """Start a server with metrics on, scrape, cold request, flush, hit (from ``tier``), scrape."""
+    cfg = write_config(tmp / "sglang.json", tmp / "l2", **extra)
     args = ["--model-path", model, *cpu_flags(8192), "--page-size", str(PAGE),
             "--enable-hierarchical-cache", "--hicache-ratio", "2",
             "--hicache-storage-prefetch-policy", "wait_complete",
@@ -87,15 +86,22 @@ def served(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
         deadline = time.monotonic() + 60
         while len(block_files(cfg)) < FULL and time.monotonic() < deadline:  # backups are asynchronous
             time.sleep(0.2)
-        out["m1"] = scrape_until(server, lambda t: series(t, "kvstrata_bytes_written_total", tier="l2") > 0
-                                 and series(t, "kvstrata_saved_blocks_total") >= FULL)
+        out["m1"] = scrape_until(server, lambda t: series(t, "kvstrata_bytes_written_total", tier="l2") > 0)
         server.flush()
         out["hit"] = server.generate(IDS, 8)
-        out["m2"] = scrape_until(server, lambda t: series(t, "kvstrata_load_seconds_count", tier="l1") > 0)
+        out["m2"] = scrape_until(server, lambda t: series(t, "kvstrata_load_seconds_count", tier=tier) > 0)
+    out["direct"] = "direct disk I/O" in (tmp / "server.log").read_text(errors="replace")
     out["files"] = len(block_files(cfg))
     for name in ("m0", "m1", "m2"):  # kept beside the server log, for a look after a failure
         (tmp / f"{name}.metrics").write_text(out[name])
     return out
+
+
+@pytest.fixture(scope="module")
+def served(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The shipped set-up: kvstrata's L1 (256 MiB) is larger than SGLang's host pool, so pages go
+    through L1 and the hit is served from it."""
+    return run_scenario(model, tmp_path_factory.mktemp("sglang-observability"), "l1")
 
 
 @needs_sglang_env
@@ -125,6 +131,30 @@ def test_a_hit_grows_the_hit_series_of_its_tier_by_the_pages_loaded(served):
     assert grew("kvstrata_bytes_read_total", tier="l1") > 0
     # SGLang's own storage series, fed by the same get_stats call, still work.
     assert grew("sglang:prefetch_pgs_sum") >= loaded
+
+
+@needs_sglang_env
+def test_a_hit_from_the_disk_tier_grows_the_l2_series(model, tmp_path):
+    """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight between
+    the pool and their files, and the hit is read from disk."""
+    out = run_scenario(model, tmp_path, "l2", l1={"size": "4MiB"})
+    m1, m2, hit = out["m1"], out["m2"], out["hit"]
+    assert out["direct"]
+    loaded = hit.cached["storage"] // PAGE
+    assert loaded >= FULL - 2 and hit.tokens == out["cold"].tokens
+
+    def grew(name: str, **labels: str) -> float:
+        return series(m2, name, **labels) - series(m1, name, **labels)
+
+    assert grew("kvstrata_hit_blocks_total", tier="l2") == loaded
+    assert grew("kvstrata_hit_tokens_total", tier="l2") == hit.cached["storage"]
+    assert grew("kvstrata_hit_blocks_total", tier="l1") == 0 and grew("kvstrata_hit_tokens_total", tier="l1") == 0
+    assert grew("kvstrata_bytes_read_total", tier="l2") >= loaded * series(m1, "kvstrata_resident_bytes", tier="l2") \
+        / out["files"] * 0.99  # the pages' payloads (files add a header)
+    assert series(m2, "kvstrata_load_seconds_count", tier="l2") >= 1
+    assert series(m2, "kvstrata_load_seconds_count", tier="l1") == 0
+    assert series(m1, "kvstrata_resident_blocks", tier="l2") == out["files"]
+    assert series(m1, "kvstrata_resident_blocks", tier="l1") == 0
 
 
 @needs_sglang_env
