@@ -98,8 +98,8 @@ class Figures(NamedTuple):
 
 class FigureCollector:
     """A store's ``Figures`` since the last call: counter deltas, latency samples and, in an
-    interval where a counter moved, bytes and blocks resident per tier (one vectorized count over
-    the index, a byte per row). One collector per reporting loop (it remembers the last values)."""
+    interval where a counter moved, bytes and blocks resident per tier (``BlockStore.resident``).
+    One collector per reporting loop (it remembers the last values)."""
 
     def __init__(self, store: "BlockStore") -> None:
         self.store = store
@@ -114,18 +114,7 @@ class FigureCollector:
         samples = self.store.counters.take_samples()
         if not (delta or samples):
             return None
-        return Figures(delta, self.resident() if delta else {}, samples)
-
-    def resident(self) -> dict[str, int]:
-        """``<tier>_resident_blocks`` and ``<tier>_resident_bytes`` for every tier of the store."""
-        import numpy as np
-
-        bits = self.store.index.tiers_of(slice(None))  # type: ignore[arg-type]
-        out: dict[str, int] = {}
-        for tier in self.store.tiers:
-            out[f"{tier.name}_resident_blocks"] = int(np.count_nonzero(bits & tier.bit))
-            out[f"{tier.name}_resident_bytes"] = int(tier.used_bytes)
-        return out
+        return Figures(delta, self.store.resident() if delta else {}, samples)
 
 
 def make_series(make: Mapping[str, Callable[..., Any]], labelnames: Sequence[str],

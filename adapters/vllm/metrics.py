@@ -39,10 +39,6 @@ class StatsCollector:
         figures = self._figures.collect()
         return None if figures is None else StrataStats(figures._asdict())
 
-    def resident(self) -> dict[str, int]:
-        """``<tier>_resident_blocks`` and ``<tier>_resident_bytes`` for every tier of the store."""
-        return self._figures.resident()
-
 
 class StrataPromMetrics(KVConnectorPromMetrics):
     """``kvstrata_*`` series (``METRICS``) for every engine of this API server; children are made
