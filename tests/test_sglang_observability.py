@@ -177,7 +177,7 @@ def test_histograms_have_samples_and_gauges_show_what_is_resident(served):
 
 @needs_sglang_env
 def test_every_kvstrata_metric_of_the_grafana_dashboard_is_in_the_sglang_scrape(served):
-    names = set(re.findall(r"\bkvstrata_[a-z_]+", GRAFANA.read_text()))
+    names = set(re.findall(r"\b(kvstrata_[a-z_]+|sglang:[a-z_:]+)", GRAFANA.read_text()))
     scraped = {line.split("{")[0].split(" ")[0] for line in served["m2"].splitlines() if not line.startswith("#")}
     assert names and not names - scraped, sorted(names - scraped)
     # The dashboard's model variable reads model_name, which the SGLang series carry too.

@@ -49,6 +49,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvstrata.keys import BlockChain, Namespace, chain_digests, root_key
 from kvstrata.store import BlockStore, ByteRuns, Hit
 
+from ..versions import check_engine_version
 from .metrics import StorageSeries, count_load, origins, series_labels
 from .namespace import digests_of, load_strata_config, namespace_for, server_passes_prefix_keys
 from .pages import PageRows
@@ -91,6 +92,8 @@ class StrataStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
+        if storage_config.tp_rank == 0:  # once per engine, in its log
+            check_engine_version("sglang")
         extra = storage_config.extra_config or {}
         self.config = load_strata_config(extra)
         self.chained = bool(extra.get("interface_v1", 0))
