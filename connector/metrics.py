@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any, Callable, Literal, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, NamedTuple, Sequence
+
+if TYPE_CHECKING:
+    from kvstrata.store import BlockStore
 
 TIERS = ("l1", "l2", "remote")  # the tier names, as the config sections name them
 MAX_SAMPLES = 4096  # per histogram and interval: a stalled scraper must not grow memory
@@ -81,6 +84,77 @@ def _sources() -> dict[str, tuple[MetricDef, str]]:
 
 
 SOURCES = _sources()  # counter / sample name -> (the series it feeds, its tier label or "")
+
+
+# ------------------------------------------------------------ engine-neutral export helpers
+class Figures(NamedTuple):
+    """What a store reports to an engine's metrics in one interval (keys are ``SOURCES`` names;
+    names that are not a series are only logged)."""
+
+    counters: dict[str, int]  # increments since the last report
+    gauges: dict[str, int]  # current values
+    samples: dict[str, list[float]]  # latency samples since the last report
+
+
+class FigureCollector:
+    """A store's ``Figures`` since the last call: counter deltas, latency samples and, in an
+    interval where a counter moved, bytes and blocks resident per tier (``BlockStore.resident``).
+    One collector per reporting loop (it remembers the last values)."""
+
+    def __init__(self, store: "BlockStore") -> None:
+        self.store = store
+        self._last: dict[str, int] = {}
+
+    def collect(self, snapshot: dict[str, int] | None = None) -> Figures | None:
+        """``snapshot``: the store's ``counters.snapshot()`` if the caller took one already."""
+        now = self.store.counters.snapshot() if snapshot is None else snapshot
+        last = self._last
+        delta = {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
+        self._last = now
+        samples = self.store.counters.take_samples()
+        if not (delta or samples):
+            return None
+        return Figures(delta, self.store.resident() if delta else {}, samples)
+
+
+def make_series(make: Mapping[str, Callable[..., Any]], labelnames: Sequence[str],
+                **gauge_kwargs: Any) -> dict[str, Any]:
+    """Every ``METRICS`` series, made by ``make[kind](name=, documentation=, labelnames=, ...)``
+    (prometheus_client's signature; an engine passes its own classes). Returns name -> metric."""
+    out: dict[str, Any] = {}
+    for m in METRICS:
+        kwargs: dict[str, Any] = {"name": f"kvstrata_{m.name}", "documentation": m.doc,
+                                  "labelnames": [*labelnames, *(["tier"] if m.per_tier else [])]}
+        if m.kind == "histogram":
+            kwargs["buckets"] = m.buckets
+        if m.kind == "gauge":
+            kwargs.update(gauge_kwargs)
+        out[m.name] = make[m.kind](**kwargs)
+    return out
+
+
+def bind_series(series: Mapping[str, Any], labelvalues: Sequence[object]) -> dict[str, Any]:
+    """Source name (``SOURCES``) -> the child of ``series`` it feeds, for one set of label values.
+    Children are made up front, so every series shows in a scrape (at 0) before its first event."""
+    return {source: series[m.name].labels(*labelvalues, *([tier] if tier else []))
+            for source, (m, tier) in SOURCES.items()}
+
+
+def feed_series(children: Mapping[str, Any], figures: Figures) -> None:
+    """Apply one interval's figures to the children ``bind_series`` made."""
+    for name, delta in figures.counters.items():
+        child = children.get(name)
+        if child is not None and delta > 0 and SOURCES[name][0].kind == "counter":
+            child.inc(delta)
+    for name, value in figures.gauges.items():
+        child = children.get(name)
+        if child is not None and SOURCES[name][0].kind == "gauge":
+            child.set(value)
+    for name, values in figures.samples.items():
+        child = children.get(name)
+        if child is not None and SOURCES[name][0].kind == "histogram":
+            for v in values:
+                child.observe(v)
 
 
 class Counters:

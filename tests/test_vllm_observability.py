@@ -230,7 +230,7 @@ def test_after_a_restart_a_disk_hit_is_announced_on_disk(model, tmp_path):
 
 
 def test_every_metric_of_the_grafana_dashboard_is_in_a_real_scrape(served):
-    names = set(re.findall(r"\b(kvstrata_[a-z_]+|vllm:[a-z_:]+)", GRAFANA.read_text()))
+    names = set(re.findall(r"\b(kvstrata_[a-z_]+|vllm:[a-z_:]+)", GRAFANA.read_text()))  # sglang: names: the SGLang test
     scraped = {line.split("{")[0].split(" ")[0] for line in served["m2"].splitlines() if not line.startswith("#")}
     assert names and not names - scraped, sorted(names - scraped)
 

@@ -3,7 +3,9 @@
 Loaded with ``--hicache-storage-backend dynamic --hicache-storage-backend-extra-config
 @configs/sglang.yaml`` (``module_path: kvstrata.adapters.sglang``, ``class_name: StrataStorage``).
 
-- ``storage``: the ``HiCacheStorage`` backend: key modes, data paths, metrics.
+- ``storage``: the ``HiCacheStorage`` backend: key modes, data paths, SGLang's storage metrics.
+- ``metrics``: the ``kvstrata_*`` series in SGLang's ``/metrics`` (``--enable-metrics``), and the
+  tier each loaded page came from.
 - ``pages``: the host pool's pages as byte rows and byte runs (``PageRows``).
 - ``namespace``: the extra config, page keys as bytes, and the namespace pages are keyed on.
 """

@@ -49,6 +49,8 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvstrata.keys import BlockChain, Namespace, chain_digests, root_key
 from kvstrata.store import BlockStore, ByteRuns, Hit
 
+from ..versions import check_engine_version
+from .metrics import StorageSeries, count_load, origins, series_labels
 from .namespace import digests_of, load_strata_config, namespace_for, server_passes_prefix_keys
 from .pages import PageRows
 
@@ -90,6 +92,8 @@ class StrataStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
+        if storage_config.tp_rank == 0:  # once per engine, in its log
+            check_engine_version("sglang")
         extra = storage_config.extra_config or {}
         self.config = load_strata_config(extra)
         self.chained = bool(extra.get("interface_v1", 0))
@@ -105,6 +109,7 @@ class StrataStorage(HiCacheStorage):
         self.ns: Namespace | None = None
         self.bypass_l1 = False  # set by register_mem_pool_host
         self._calls = _CallLog()
+        self._series: StorageSeries | None = None  # made at the first get_stats with metrics on
         log.info("kvstrata: SGLang storage backend for %s (tp %d/%d, %s keys, writer=%s)",
                  storage_config.model_name, storage_config.tp_rank, storage_config.tp_size,
                  "chained" if self.chained else "per-page", self.writer)
@@ -150,9 +155,12 @@ class StrataStorage(HiCacheStorage):
         """Length of the leading run of ``keys`` stored and valid (index and tier headers only)."""
         if not keys:
             return 0
+        started = time.perf_counter()
         epoch, chain = self._chain(keys, extra_info)
         assert self.ns is not None
-        return self.store.lookup_chain(self.ns, epoch, chain).num_blocks
+        found = self.store.lookup_chain(self.ns, epoch, chain).num_blocks
+        self.store.counters.observe("lookup_seconds", time.perf_counter() - started)
+        return found
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -176,6 +184,9 @@ class StrataStorage(HiCacheStorage):
         epoch, chain = self._chain(keys, extra_info)
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
         try:
+            resident = self.store.arena.slots(hit)
+            origin = origins(self.store, hit, resident)  # before the load promotes pages into L1
+            load_start = time.perf_counter()
             starts = self.rows.page_starts(host_indices, hit.num_blocks) if self.bypass_l1 and hit.num_blocks else None
             if starts is not None:
                 rows, arena = self.rows, self.store.arena
@@ -183,18 +194,20 @@ class StrataStorage(HiCacheStorage):
                     rows.page_bytes, lambda i: rows.runs(starts[i]),
                     lambda i, slot: rows.copy_slot(arena.data, slot, starts[i])))  # type: ignore[arg-type]
             else:
-                loaded = self._get_staged(hit, host_indices)
+                loaded = self._get_staged(hit, host_indices, resident)
         finally:
             self.store.complete_load(hit)
+        count_load(self.store, origin, loaded, self.rows.page_size, self.rows.page_bytes,
+                   time.perf_counter() - load_start, staged=starts is None)
         self._calls.record("prefetch", loaded, loaded * self.rows.page_bytes, time.perf_counter() - start)
         log.debug("kvstrata: loaded %d of %d pages", loaded, len(keys))
         return [i < loaded for i in range(len(keys))]
 
-    def _get_staged(self, hit: Hit, host_indices: torch.Tensor) -> int:
-        """Pages on disk are read into L1 slots, then every page is copied from its slot."""
+    def _get_staged(self, hit: Hit, host_indices: torch.Tensor, resident: list[int | None]) -> int:
+        """Pages on disk are read into L1 slots, then every page is copied from its slot.
+        ``resident``: the hit's L1 slots before the load."""
         assert self.rows is not None
         arena = self.store.arena
-        resident = arena.slots(hit)
         in_l1 = next((i for i, slot in enumerate(resident) if slot is None), len(resident))
         loaded = self.store.load(hit) if hit.num_blocks else 0
         if in_l1 and loaded:
@@ -268,9 +281,15 @@ class StrataStorage(HiCacheStorage):
         epoch, chain = self._chain(keys, None)
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
         try:
+            origin = origins(self.store, hit, self.store.arena.slots(hit))
+            started = time.perf_counter()
             loaded = self.store.load(hit, [t.reshape(-1).view(torch.uint8) for t in target_locations[: hit.num_blocks]])
         finally:
             self.store.complete_load(hit)
+        rows = self.rows
+        assert rows is not None
+        count_load(self.store, origin, loaded, rows.page_size, rows.page_bytes, time.perf_counter() - started,
+                   staged=False)
         return [t if i < loaded else None for i, t in enumerate(target_locations[: len(keys)])]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -297,7 +316,14 @@ class StrataStorage(HiCacheStorage):
         return True
 
     def get_stats(self) -> StrataStorageMetrics:
-        return self._calls.drain(self.store.counters.snapshot())
+        """SGLang's storage metrics since the last call (its radix cache calls this every step,
+        only with ``--enable-metrics``) and, in the same pass, the ``kvstrata_*`` series."""
+        counters = self.store.counters.snapshot()
+        if self._series is None and self.storage_config.enable_storage_metrics:
+            self._series = StorageSeries(self.store, series_labels(self.storage_config))
+        if self._series is not None:
+            self._series.update(counters)
+        return self._calls.drain(counters)
 
     def close(self) -> None:
         self.store.close()  # waits for queued saves

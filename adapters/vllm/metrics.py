@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 
-from kvstrata.metrics import METRICS, SOURCES, TIERS
+from kvstrata.metrics import FigureCollector, Figures, bind_series, feed_series, make_series
 
 from .metadata import StrataStats
 
@@ -29,22 +29,15 @@ if TYPE_CHECKING:
 
 
 class StatsCollector:
-    """The scheduler side's report: what changed in the store since the last call."""
+    """The scheduler side's report: what changed in the store since the last call
+    (``kvstrata.metrics.FigureCollector``, shared with the SGLang adapter)."""
 
     def __init__(self, store: "BlockStore") -> None:
-        self.store = store
-        self._last: dict[str, int] = {}
+        self._figures = FigureCollector(store)
 
     def collect(self) -> StrataStats | None:
-        counters = self.store.counters
-        now = counters.snapshot()
-        delta = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
-        self._last = now
-        samples = counters.take_samples()
-        if not (delta or samples):
-            return None
-        gauges = self.store.resident() if delta else {}
-        return StrataStats({"counters": delta, "gauges": gauges, "samples": samples})
+        figures = self._figures.collect()
+        return None if figures is None else StrataStats(figures._asdict())
 
 
 class StrataPromMetrics(KVConnectorPromMetrics):
@@ -55,40 +48,13 @@ class StrataPromMetrics(KVConnectorPromMetrics):
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         make = {"counter": self._counter_cls, "gauge": self._gauge_cls, "histogram": self._histogram_cls}
-        # (engine index, source name) -> the labelled child the source feeds
-        self._children: dict[tuple[int, str], Any] = {}
-        for m in METRICS:
-            kwargs: dict[str, Any] = {"name": f"kvstrata_{m.name}", "documentation": m.doc,
-                                      "labelnames": labelnames + (["tier"] if m.per_tier else [])}
-            if m.kind == "histogram":
-                kwargs["buckets"] = m.buckets
-            if m.kind == "gauge":
-                kwargs["multiprocess_mode"] = "mostrecent"
-            metric = make[m.kind](**kwargs)
-            for engine, values in per_engine_labelvalues.items():
-                for tier in TIERS if m.per_tier else ("",):
-                    child = metric.labels(*values, *([tier] if tier else []))
-                    self._children[(engine, m.source.format(tier=tier))] = child
+        families = make_series(make, labelnames, multiprocess_mode="mostrecent")
+        # engine index -> (source name -> the labelled child the source feeds)
+        self._children: dict[int, dict[str, Any]] = {
+            engine: bind_series(families, values) for engine, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, delta in transfer_stats_data.get("counters", {}).items():
-            child = self._child(name, "counter", engine_idx)
-            if child is not None and delta > 0:
-                child.inc(delta)
-        for name, value in transfer_stats_data.get("gauges", {}).items():
-            child = self._child(name, "gauge", engine_idx)
-            if child is not None:
-                child.set(value)
-        for name, values in transfer_stats_data.get("samples", {}).items():
-            child = self._child(name, "histogram", engine_idx)
-            if child is not None:
-                for v in values:
-                    child.observe(v)
-
-    def _child(self, source: str, kind: str, engine_idx: int) -> Any:
-        """The child ``source`` feeds, or None for a figure that is only logged (not a series)."""
-        found = SOURCES.get(source)
-        if found is None or found[0].kind != kind:
-            return None
-        return self._children.get((engine_idx, source))
-
+        children = self._children.get(engine_idx)
+        if children:
+            data = transfer_stats_data
+            feed_series(children, Figures(data.get("counters", {}), data.get("gauges", {}), data.get("samples", {})))
