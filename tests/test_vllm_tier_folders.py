@@ -332,7 +332,7 @@ def test_vllm_serves_from_a_planted_tier_folder_and_check_fix_touches_nothing_fo
     folder is planted (``_plant``): a shard folder and block files symlinked to valid kvstrata
     blocks outside the tier, a FIFO and a unix socket named like blocks, a tail folder symlinked
     outside, a folder named like a block, foreign files and a block of another format version.
-    A second engine starts on it in normal time (its start-up scans the folder), serves LONG from
+    A second engine starts on it in normal time (its background scan reads the folder), serves LONG from
     L2 and the hidden prompts (reachable only through planted entries) by recomputing, all with
     the outputs of vLLM alone. Then ``kvstrata check`` and ``check --fix`` finish in normal time.
     Nothing outside the tier was read (atimes), changed or deleted, and every planted entry

@@ -3,7 +3,7 @@
 Usage: python vllm_steps.py SPEC.json. SPEC: {"model": DIR, "config": YAML or null (no connector),
 "mp": bool (separate EngineCore/worker processes), "block_size": int, "steps": [...]}. Steps:
 {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} -> {"tokens", "cached", "ms"};
-{"op": "reset", "connector": bool} -> {"ok"}; {"op": "counters"} -> the connector's counters
+{"op": "reset", "connector": bool} -> {"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
 (in-process engines only); {"op": "signal", "file": path} creates a file; {"op": "wait", "file":
 path} waits for one (to coordinate with the test or another engine); {"op": "sleep", "s": x};
 {"op": "arenas"} -> {"names"}: kvstrata's L1 arena files in /dev/shm owned by this process or its
@@ -81,8 +81,9 @@ def main() -> None:
         elif step["op"] == "arenas":
             results.append({"names": _own_arenas()})
         elif step["op"] == "counters":
-            sched = llm.llm_engine.engine_core.engine_core.scheduler
-            results.append(sched.connector._sched.store.counters.snapshot())
+            store = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.store
+            store.wait_recovered(120)  # settled figures: the background L2 scan's counts included
+            results.append(store.counters.snapshot())
     print("RESULT " + json.dumps(results), flush=True)
 
 
