@@ -13,16 +13,19 @@ import importlib
 import json
 import logging
 import sys
+import time
 from typing import Any, Callable, Sequence
 
 from .config import ConfigError, load_config
 from .keys import Namespace
+from .progress import SHARD_FOLDERS, ShardBar, shard_bar
 from .store import BlockStore
 
 log = logging.getLogger("kvstrata")
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 DESCRIPTION = ("kvstrata: a tiered KV-cache store for vLLM and SGLang. Inspect, check and clean a store; "
                "benchmark, simulate, estimate and demonstrate it.")
+_POLL_S = 0.1  # progress updates while L2 is counted
 JSON_HELP = "print one JSON object instead of tables (for scripts; keys are kept across versions)"
 # Subcommands a tool module implements whole: ``add_arguments(parser)`` and ``run(args) -> exit code``.
 TOOLS = {"bench decode": "kvstrata.tools.bench.decode", "bench serve": "kvstrata.tools.bench.serve",
@@ -55,10 +58,32 @@ def config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _await_count(store: BlockStore, timeout: float | None, bar: ShardBar) -> bool:
+    """Wait for the background count of L2's folder (``wait_recovered``), up to ``timeout``
+    seconds (None: until done), showing its progress; True if it finished."""
+    recovery = store.parts.recovery
+    if recovery is None or recovery.done:
+        return True
+    bar.stage("counting the disk tier")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    trimming = False
+    while True:
+        left = _POLL_S if deadline is None else min(_POLL_S, max(deadline - time.monotonic(), 0.0))
+        done = store.wait_recovered(left)
+        if not trimming:
+            bar.update(recovery.shards, recovery.blocks)
+        if done or (deadline is not None and time.monotonic() >= deadline):
+            return done
+        if recovery.shards >= SHARD_FOLDERS and not trimming:  # counted: older generations go, then trim to l2.size
+            bar.stage("trimming the disk tier", shards=False)
+            trimming = True
+
+
 @command("stats")
 def stats(args: argparse.Namespace) -> int:
     with BlockStore(load_config(args.config)) as store:
-        counted = store.wait_recovered(args.wait)
+        with shard_bar(not args.json) as bar:
+            counted = _await_count(store, args.wait, bar)
         data = store.stats()
         recovery = store.parts.recovery
         if not counted and recovery is not None:  # L2 is counted shard by shard: say what is known
@@ -136,7 +161,9 @@ def _chosen(store: BlockStore, args: argparse.Namespace) -> dict[str, tuple[byte
 
 @command("gc")
 def gc(args: argparse.Namespace) -> int:
-    with _open(args) as store:
+    with BlockStore(load_config(args.config)) as store, shard_bar(True) as bar:
+        _await_count(store, None, bar)  # gc acts on every block: all of L2 in the index first
+        bar.stage("gc: dropping older generations, trimming every tier to its size", shards=False)
         removed = store.gc()
     print(json.dumps({"removed": removed}))
     return 0
@@ -237,6 +264,9 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     add(checks, "config check", "validate a config file (exit 2 with the reasons if it is wrong)").add_argument(
         "file", help="the YAML file")
     st = with_config(add(sub, "stats", "what is stored: size per tier, and per model (namespace)"))
+    st.epilog = ("stats opens the store; the disk tier is counted in the background (a progress bar on "
+                 "stderr when it is a terminal and not --json): past --wait the figures are an estimate, "
+                 "said so. Memory: the store's index, about 200 bytes per block on the disk tier.")
     st.add_argument("--json", action="store_true", help=JSON_HELP)
     st.add_argument("--wait", type=float, default=10.0, metavar="S",
                     help="seconds to wait for the disk tier to be counted (default 10); past that, the "
@@ -250,7 +280,11 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     inv.add_argument("--namespace", action="append", metavar="ID", help="one namespace, by its id in "
                      "`kvstrata stats` (repeatable)")
     inv.add_argument("--all", action="store_true", help="every namespace in the store")
-    with_config(add(sub, "gc", "delete blocks of replaced generations, trim tiers to their sizes"))
+    gcp = with_config(add(sub, "gc", "delete blocks of replaced generations, trim tiers to their sizes"))
+    gcp.epilog = ("gc opens the store and waits until every block of the disk tier is in its index (a "
+                  "progress bar on stderr when it is a terminal), then acts on the index: it needs about "
+                  "200 bytes of memory per block on the disk tier (173-202 measured at 1M blocks). "
+                  "`kvstrata check` streams instead, in a memory that does not grow with the tier.")
     benches = add(sub, "bench", "benchmarks: store, ttft, decode, serve, identity, remote")
     bench = benches.add_subparsers(dest="sub", required=True)
     bs = add(bench, "bench store", "store micro-benchmark against raw baselines")

@@ -1,6 +1,11 @@
 """tiers/scan.py: the one scan of a tier folder, trusting nothing it finds: ``scan_folder``
 (blocks and temp files: ``kvstrata check``, the shared tier's sweep), ``scan_shards`` (the same,
-one shard folder at a time: the store's background recovery) and ``scan_tails`` (tail markers: ``kvstrata check``). Each entry comes back as a ``Found``.
+one shard folder at a time: the store's background recovery, ``kvstrata check``), ``scan_tails``
+(tail markers: ``kvstrata check``) and ``examine_block`` (one block by its key, as a scan would
+find it). Each entry comes back as a ``Found``.
+
+Folders are read as a stream (``scandir`` one entry at a time), never listed whole, except where a
+caller's lister asks for it: a scan holds one entry at a time whatever the folder's size.
 
 The rules of ``folder``, applied to a whole folder:
 
@@ -20,7 +25,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 from ..blockfmt import HEADER_SIZE, FormatError, payload_hasher, unpack_header
 from ..index import EntryMeta
@@ -60,12 +65,18 @@ def _skipped(folder: str, entry: os.DirEntry, named_like_ours: bool) -> Found:
 
 
 def _subfolders(folder: str, pattern: re.Pattern[str], parent_fd: int | None,
-                prefix: str = "") -> Iterator[tuple[str, int] | Found]:
+                prefix: str = "", ordered: bool = True) -> Iterator[tuple[str, int] | Found]:
     """Open each real subfolder of ``folder`` whose name matches ``pattern`` (and starts with
     ``prefix``), never through a symlink; yields ``(name, fd)`` (closed when the caller asks for
-    the next one) or a ``skipped`` Found for everything else."""
+    the next one) or a ``skipped`` Found for everything else. ``ordered``: by name (the listing is
+    then held whole: for the 256 shard folders), else as the folder streams them."""
     with os.scandir(parent_fd if parent_fd is not None else folder) as it:
-        entries = sorted(it, key=lambda e: e.name)
+        yield from _open_subfolders(folder, pattern, parent_fd, prefix,
+                                    sorted(it, key=lambda e: e.name) if ordered else it)
+
+
+def _open_subfolders(folder: str, pattern: re.Pattern[str], parent_fd: int | None, prefix: str,
+                     entries: Iterable[os.DirEntry]) -> Iterator[tuple[str, int] | Found]:
     for entry in entries:
         if not (pattern.fullmatch(entry.name) and entry.name.startswith(prefix)
                 and entry.is_dir(follow_symlinks=False)):
@@ -114,25 +125,28 @@ def scan_folder(root: Path | str, *, fix: bool, stale_temp: Callable[[int, float
         if isinstance(item, Found):
             yield item
         else:
-            yield from _scan_shard(*item, fix, stale_temp, verify, _list)
+            yield from _scan_shard(*item, fix, stale_temp, verify, stream_entries)
 
 
-Lister = Callable[[str, int], "list[os.DirEntry]"]
+Lister = Callable[[str, int], Iterable[os.DirEntry]]
 
 
 def scan_shards(root: Path | str, *, fix: bool, stale_temp: Callable[[int, float], bool],
-                lister: Lister) -> Iterator[Iterator[Found]]:
+                lister: Lister, verify: bool = False) -> Iterator[Iterator[Found]]:
     """``scan_folder``, one shard folder at a time: an iterator over each shard's entries (an
     entry outside the shard folders: one of its own), to be run through before the next.
     ``lister(shard, dir_fd)`` lists each shard folder (the disk tier counts its bytes there,
-    under a lock); the entries it returns are examined."""
+    under a lock; ``stream_entries`` streams it); the entries it returns are examined."""
     for item in _shards(root, "blocks"):
-        yield iter([item]) if isinstance(item, Found) else _scan_shard(*item, fix, stale_temp, False, lister)
+        yield iter([item]) if isinstance(item, Found) else _scan_shard(*item, fix, stale_temp, verify, lister)
 
 
-def _list(shard: str, dir_fd: int) -> list[os.DirEntry]:
+def stream_entries(shard: str, dir_fd: int) -> Iterator[os.DirEntry]:
+    """A shard folder's entries one at a time (deleting an entry meanwhile is safe: ``readdir``
+    may or may not return entries added or removed during the stream, and a scan only ever
+    deletes the entry it just examined)."""
     with os.scandir(dir_fd) as it:
-        return list(it)
+        yield from it
 
 
 def _scan_shard(folder: str, shard: str, dir_fd: int, fix: bool,
@@ -189,6 +203,26 @@ def _examine(fd: int, st: os.stat_result, name: str, path: str, verify: bool) ->
     return found._replace(kind=DAMAGED, why=why)
 
 
+def examine_block(root: Path | str, key_hex: str, *, verify: bool) -> Found | None:
+    """The block file of ``key_hex`` (32 hex digits) examined as a scan examines it, under the
+    same rules (no symlink followed, only a regular file opened): its ``Found``, or None if there
+    is no such file or it cannot be opened safely. ``kvstrata check`` asks it whether a tail
+    marker's block is servable, instead of holding every tail block's key."""
+    name, where = block_name(key_hex), os.path.join(root, "blocks")
+    fds: list[int] = []
+    try:
+        fds.append(os.open(where, OPEN_DIR))
+        fds.append(os.open(key_hex[:2], OPEN_DIR, dir_fd=fds[0]))
+        fd, st = open_regular(name, fds[1])
+        fds.append(fd)
+        return _examine(fd, st, name, f"{where}/{key_hex[:2]}/{name}", verify)
+    except OSError:  # missing, a symlink (ELOOP), not a regular file
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def _payload_checksum(fd: int, size: int, chunk: int = 8 << 20) -> int:
     h = payload_hasher()
     offset, end = HEADER_SIZE, HEADER_SIZE + size
@@ -214,17 +248,21 @@ def _unlink_same(name: str, dir_fd: int, seen: os.stat_result) -> bool:
     return True
 
 
-def scan_tails(root: Path | str, *, fix: bool, is_orphan: Callable[[str, int, str | None], bool]) -> Iterator[Found]:
+def scan_tails(root: Path | str, *, fix: bool, is_orphan: Callable[[str, int, str | None], bool],
+               on_shard: Callable[[str], None] | None = None) -> Iterator[Found]:
     """Every entry of ``root/tails``: markers (``marker`` / ``orphan_marker`` per
     ``is_orphan(parent hex, ntok, key hex or None)``) and ``skipped`` entries. With ``fix``,
     orphan markers are deleted, then their parent folder if it is empty. Same rules as
-    ``scan_folder``: no symlink followed, only kvstrata's names touched."""
+    ``scan_folder``: no symlink followed, only kvstrata's names touched. ``on_shard(shard)`` is
+    called as each shard folder is entered (progress)."""
     for item in _shards(root, "tails"):
         if isinstance(item, Found):
             yield item
             continue
         folder, shard, shard_fd = item
-        for sub in _subfolders(folder, PARENT_RE, shard_fd, shard):
+        if on_shard is not None:
+            on_shard(shard)
+        for sub in _subfolders(folder, PARENT_RE, shard_fd, shard, ordered=False):
             if isinstance(sub, Found):
                 yield sub
                 continue
@@ -239,9 +277,7 @@ def scan_tails(root: Path | str, *, fix: bool, is_orphan: Callable[[str, int, st
 
 def _scan_markers(folder: str, parent: str, dir_fd: int, fix: bool,
                   is_orphan: Callable[[str, int, str | None], bool]) -> Iterator[Found]:
-    with os.scandir(dir_fd) as it:
-        entries = list(it)
-    for entry in entries:
+    for entry in stream_entries(parent, dir_fd):
         marker = parse_marker(entry.name)
         if not marker or not entry.is_file(follow_symlinks=False):
             yield _skipped(folder, entry, bool(marker))
