@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -33,28 +31,9 @@ from kvstrata.config import load_config
 from kvstrata.index import EntryMeta
 from kvstrata.keys import Namespace
 from kvstrata.store import BlockStore
+from kvstrata.tools.redis_server import redis_server
 
 NS = Namespace("bench", "bench-model", "v1", "bfloat16", "bench", 16)
-
-
-def _server() -> tuple[subprocess.Popen[bytes], str, Path]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    folder = Path(tempfile.mkdtemp(prefix="kvstrata-bench-redis-"))
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(folder)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0", folder
 
 
 def _store(url: str, tmp: Path, name: str) -> BlockStore:
@@ -166,15 +145,13 @@ def _round_trips(url: str, tmp: Path) -> int:
 def run(url: str | None = None, quick: bool = False) -> dict[str, object]:
     if url is None and shutil.which("redis-server") is None:
         raise SystemExit("kvstrata bench remote: redis-server is not installed and no --url was given")
-    proc = folder = None
-    if url is None:
-        proc, url, folder = _server()
     tmp = Path(tempfile.mkdtemp(prefix="kvstrata-bench-remote-"))
     try:
-        out: dict[str, object] = {"url": url, "block_bytes": 256 << 10}
-        out.update(_throughput(url, tmp, 256 << 10, 64 if quick else 256, 3 if quick else 7))
-        out["invalidation_visible_ms"] = _invalidation(url, tmp)
-        out["lookup_round_trips"] = _round_trips(url, tmp)
+        with redis_server(url, tmp / "redis", maxmemory=None, flush=False) as url:
+            out: dict[str, object] = {"url": url, "block_bytes": 256 << 10}
+            out.update(_throughput(url, tmp, 256 << 10, 64 if quick else 256, 3 if quick else 7))
+            out["invalidation_visible_ms"] = _invalidation(url, tmp)
+            out["lookup_round_trips"] = _round_trips(url, tmp)
         out["ratios"] = {
             "set_vs_raw": round(out["strata_redis_set_gbps"] / out["raw_redis_set_gbps"], 3),  # type: ignore[operator]
             "get_vs_raw": round(out["strata_redis_get_gbps"] / out["raw_redis_get_gbps"], 3),  # type: ignore[operator]
@@ -182,7 +159,3 @@ def run(url: str | None = None, quick: bool = False) -> dict[str, object]:
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-            shutil.rmtree(folder, ignore_errors=True)  # type: ignore[arg-type]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
+from ..redis_server import redis_server
 from ..serving import Server, cached_by_source, free_port, stream, vllm_command
 from . import ttft
 
 CONFIGS = ("baseline", "strata-l1l2", "strata-remote", "peer", "lmcache")
-REDIS_MEMORY = "4gb"
 
 
 class Settings(NamedTuple):
@@ -117,37 +116,6 @@ def _strata_yaml(path: Path, s: Settings, folder: Path, remote: str | None) -> P
 
 
 @contextlib.contextmanager
-def _redis(s: Settings, folder: Path) -> Iterator[str]:
-    """``--redis-url`` (flushed first), else a private redis-server on a free loopback port."""
-    if s.redis_url:
-        import redis
-
-        redis.Redis.from_url(s.redis_url).flushdb()
-        yield s.redis_url
-        return
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("strata-remote needs --redis-url or redis-server on PATH")
-    port = free_port()
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "redis.log", "wb") as out:
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", str(folder), "--maxmemory", REDIS_MEMORY,
-                                 "--maxmemory-policy", "allkeys-lru"],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not ttft._listening(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start (see {folder / 'redis.log'})")
-            time.sleep(0.1)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@contextlib.contextmanager
 def _lmcache_server(s: Settings, folder: Path, env: dict[str, str]) -> Iterator[int]:
     """LMCache's own server (multiprocess mode, CPU tier the size of kvstrata's L1)."""
     ttft.ensure_lmcache(s.lmcache_dir)
@@ -206,7 +174,7 @@ def _vllm(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -
     if config == "strata-l1l2":
         kv = ttft.strata_transfer_config(_strata_yaml(folder / "kvstrata.yaml", s, folder, None))
     elif config == "strata-remote":
-        url = stack.enter_context(_redis(s, folder / "redis"))
+        url = stack.enter_context(redis_server(s.redis_url, folder / "redis"))
         kv = ttft.strata_transfer_config(_strata_yaml(folder / "kvstrata.yaml", s, folder, url))
     elif config == "peer":
         kv = ttft.example_transfer_config(folder / "peer")
@@ -241,7 +209,7 @@ def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack)
         args += ["--enable-hierarchical-cache", "--hicache-ratio", "2",
                  "--hicache-storage-prefetch-policy", "wait_complete"]
     if config in ("strata-l1l2", "strata-remote"):
-        url = stack.enter_context(_redis(s, folder / "redis")) if config == "strata-remote" else None
+        url = stack.enter_context(redis_server(s.redis_url, folder / "redis")) if config == "strata-remote" else None
         kvstrata = _strata_yaml(folder / "kvstrata.yaml", s, folder, url)
         plugin = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
                   "class_name": "StrataStorage", "interface_v1": 1, "hicache_storage_pass_prefix_keys": True,

@@ -12,9 +12,15 @@ prefix), so no figure includes first-request overheads.
 - ``l1``: kvstrata's connector, store once, then ``reset_prefix_cache()`` before each request.
 - ``l2``: kvstrata's connector in a fresh engine process per measurement, on the disk folder that
   one earlier process filled: its first request on the prompt is the measured one (L1 empty).
+- ``l3``: kvstrata's connector with the CPU tier and the shared Redis tier (no disk tier), in a fresh
+  engine process per measurement, like ``l2``: L1 and L2 empty, the prompt loaded from Redis, which
+  one earlier process filled (``--redis-url``, flushed first, else a private ``redis-server``).
 - ``peer``: vLLM's ``ExampleConnector`` (store once, then reset + request).
 - ``lmcache``: LMCache 0.5.6 in multiprocess mode (``LMCacheMPConnector`` and an ``lmcache server``),
   installed on first use into its own folder beside the venv, used only by those subprocesses.
+
+Beside each median: the first sample and the 90th percentile, as ratios to the median
+(``*_first_over_median``, ``*_p90_over_p50``): a median hides the slow first hit after a restart.
 
 Outputs (``max_tokens`` 8, greedy) are compared across every configuration that ran. Engines run
 in float32 by default (``--dtype``): on random weights, bf16 rounding flips greedy tokens between
@@ -46,10 +52,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..redis_server import redis_server
+
 log = logging.getLogger(__name__)
 
-CONFIGS = ("cold", "native", "l1", "l2", "peer", "lmcache")
-RATIOS = (("cold", "l1"), ("l1", "native"), ("l2", "l1"), ("l1", "peer"), ("l1", "lmcache"))
+CONFIGS = ("cold", "native", "l1", "l2", "l3", "peer", "lmcache")
+RATIOS = (("cold", "l1"), ("l1", "native"), ("l2", "l1"), ("l3", "l1"), ("l1", "peer"), ("l1", "lmcache"))
 LMCACHE_PACKAGES = ("lmcache==0.5.6", "aiofile", "caio", "aiofiles", "nvtx", "sortedcontainers",
                     "redis", "setuptools_scm", "opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0")
 LMCACHE_MAIN = "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
@@ -94,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--multiprocessing", type=int, choices=[0, 1], default=MULTIPROCESSING,
                         help="VLLM_ENABLE_V1_MULTIPROCESSING for every engine (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per engine process")
+    parser.add_argument("--redis-url", help="l3: this Redis (its database is flushed first); default: a private "
+                        "redis-server on a free loopback port")
     parser.add_argument("--lmcache-dir", help="LMCache install folder (default: .venv-lmcache by the venv)")
     parser.add_argument("--sglang-python", help="--engine sglang: interpreter with sglang (default: $KVSTRATA_SGLANG_PYTHON, "
                         "else this one if it has sglang, else ./.venv-sglang)")
@@ -168,11 +178,11 @@ def hit_steps(rounds: int) -> list[str]:
     return ["warmup", "store"] + ["reset", "time"] * rounds + ["reset", "output"]
 
 
-def run_l2(runner: Runner, kv: dict, rounds: int) -> dict:
-    """Store once, then one fresh engine per measurement (and one for the output) on the same disk."""
-    runner.engine("l2-store", kv, True, ["warmup", "store"])
-    runs = [runner.engine(f"l2-{i}", kv, True, ["warmup", "time"]) for i in range(rounds)]
-    out = runner.engine("l2-output", kv, True, ["warmup", "output"])
+def run_fresh(runner: Runner, name: str, kv: dict, rounds: int) -> dict:
+    """Store once, then one fresh engine per measurement (and one for the output) on the same store."""
+    runner.engine(f"{name}-store", kv, True, ["warmup", "store"])
+    runs = [runner.engine(f"{name}-{i}", kv, True, ["warmup", "time"]) for i in range(rounds)]
+    out = runner.engine(f"{name}-output", kv, True, ["warmup", "output"])
     merged = {k: [r[k][0] for r in runs] for k in ("samples_ms", "cpu_ms", "cached_tokens")}
     return {**merged, "engine_start_s": runs[0]["engine_start_s"],
             "output": out["output"], "output_cached_tokens": out["output_cached_tokens"]}
@@ -262,18 +272,26 @@ def run(args: argparse.Namespace) -> dict:
     runner, n = Runner(args, work, prompt, warmup), args.rounds
     ours = os.environ.get("KVSTRATA_BENCH_OURS", "strata")
 
-    def ours_config(name: str) -> dict:
+    def ours_config(name: str, redis_url: str | None = None) -> dict:
         if ours == "example":  # stand-in until the connector exists: exercises the harness only
             return example_transfer_config(work / f"{name}-store")
-        (path := work / f"{name}.yaml").write_text(f"l1:\n  size: 2GiB\nl2:\n  path: {work / name}-store\n")
+        text = f"l1:\n  size: 2GiB\nl2:\n  path: {work / name}-store\n"
+        if redis_url:  # the shared tier only: every measured engine starts with empty L1 and L2
+            text = f"l1:\n  size: 2GiB\nl2:\n  enabled: false\nremote:\n  enabled: true\n  url: {redis_url}\n"
+        (path := work / f"{name}.yaml").write_text(text)
         return strata_transfer_config(path)
+
+    def run_l3() -> dict:
+        with redis_server(args.redis_url, work / "redis") as url:
+            return run_fresh(runner, "l3", ours_config("l3", url), n)
 
     repeat = ["time"] * n + ["output"]
     plans = {
         "cold": lambda: runner.engine("cold", None, False, ["warmup"] + repeat),
         "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + repeat),
         "l1": lambda: runner.engine("l1", ours_config("l1"), True, hit_steps(n)),
-        "l2": lambda: run_l2(runner, ours_config("l2"), n),
+        "l2": lambda: run_fresh(runner, "l2", ours_config("l2"), n),
+        "l3": run_l3,
         "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer"), True, hit_steps(n)),
         "lmcache": lambda: run_lmcache(runner, hit_steps(n)),
     }
@@ -282,7 +300,7 @@ def run(args: argparse.Namespace) -> dict:
         for name in wanted:
             try:
                 results[name] = plans[name]()
-            except (BenchError, OSError, ValueError) as e:
+            except (BenchError, OSError, ValueError, RuntimeError) as e:
                 errors[name] = str(e)
                 log.error("%s: %s", name, e)
     finally:
@@ -310,6 +328,9 @@ def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours
     out["lmcache_error"] = errors.get("lmcache")
     for a, b in RATIOS:
         out[f"{a}_over_{b}"] = round(med[a] / med[b], 3) if a in med and b in med else None
+    for n, r in results.items():  # the tail a median hides: the first hit after a start, p90
+        out[f"{n}_first_over_median"] = round(r["samples_ms"][0] / med[n], 3) if med[n] else None
+        out[f"{n}_p90_over_p50"] = round(float(np.percentile(r["samples_ms"], 90)) / med[n], 3) if med[n] else None
 
     keys = ["samples_ms", "cached_tokens", "output_cached_tokens", "engine_start_s"]
     if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
@@ -319,7 +340,10 @@ def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours
         "prompt_tokens": prompt_tokens, "block_size": BLOCK_SIZE, "rounds": rounds, "env": env,
         "ours_connector": "ExampleConnector (KVSTRATA_BENCH_OURS)" if ours == "example" else CONNECTOR,
         **{k: {n: r[k] for n, r in results.items()} for k in keys},
-        "min_ms": {n: min(r["samples_ms"]) for n, r in results.items()}, "outputs": outputs,
+        "min_ms": {n: min(r["samples_ms"]) for n, r in results.items()},
+        "first_ms": {n: r["samples_ms"][0] for n, r in results.items()},
+        "p90_ms": {n: round(float(np.percentile(r["samples_ms"], 90)), 1) for n, r in results.items()},
+        "outputs": outputs,
         "outputs_match_native": {n: o == native for n, o in outputs.items()} if native else None,
         "outputs_common_prefix": len(os.path.commonprefix(list(outputs.values()))) if outputs else None,
         "errors": errors, "loadavg_1min_start_end": load}
@@ -329,12 +353,13 @@ def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours
 def print_table(summary: dict) -> None:
     d = summary["details"]
     print(f"TTFT, {d['prompt_tokens']}-token prompt, median of {d['rounds']}; l1/l2: {d['ours_connector']}")
-    print(f"{'config':<9}{'median ms':>11}{'cached':>8}  samples ms")
+    print(f"{'config':<9}{'median ms':>11}{'first/med':>10}{'p90/p50':>9}{'cached':>8}  samples ms")
     for n in CONFIGS:
         key = "cold_ms" if n == "cold" else f"{n}_hit_ms"
         if n in d["samples_ms"]:
             cached = statistics.median(d["cached_tokens"][n])
-            print(f"{n:<9}{summary[key]:>11.1f}{cached:>8.0f}  {d['samples_ms'][n]}")
+            print(f"{n:<9}{summary[key]:>11.1f}{summary[f'{n}_first_over_median']:>10}"
+                  f"{summary[f'{n}_p90_over_p50']:>9}{cached:>8.0f}  {d['samples_ms'][n]}")
         else:
             print(f"{n:<9}{'-':>11}{'-':>8}  {d['errors'].get(n, 'not run')}")
     ratios = ", ".join(f"{a}/{b} {summary[f'{a}_over_{b}']}" for a, b in RATIOS)
