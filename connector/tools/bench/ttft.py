@@ -11,7 +11,8 @@ prefix), so no figure includes first-request overheads.
 - ``native``: vLLM's own prefix-cache hit (store once, then repeat): the floor.
 - ``l1``: kvstrata's connector, store once, then ``reset_prefix_cache()`` before each request.
 - ``l2``: kvstrata's connector in a fresh engine process per measurement, on the disk folder that
-  one earlier process filled: its first request on the prompt is the measured one (L1 empty).
+  one earlier process filled: its first request on the prompt is the measured one (L1 empty), and
+  its first hit (its warm-up prompt is one of its own, which nothing stored).
 - ``l3``: kvstrata's connector with the CPU tier and the shared Redis tier (no disk tier), in a fresh
   engine process per measurement, like ``l2``: L1 and L2 empty, the prompt loaded from Redis, which
   one earlier process filled (``--redis-url``, flushed first, else a private ``redis-server``).
@@ -152,9 +153,11 @@ class Runner:
                      "dtype": getattr(args, "dtype", "float32")}
 
     def engine(self, name: str, kv: dict | None, prefix_caching: bool, steps: list[str],
-               extra_env: dict | None = None) -> dict:
+               extra_env: dict | None = None, warmup: list[int] | None = None) -> dict:
         spec_path, log_path, result_path = (self.work / f"{name}.{ext}" for ext in ("json", "log", "result"))
         spec = {**self.base, "kv_transfer_config": kv, "prefix_caching": prefix_caching, "steps": steps}
+        if warmup is not None:
+            spec["warmup"] = warmup
         spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}))
         log.info("engine %s: %d steps", name, len(steps))
         with open(log_path, "w") as out:
@@ -179,10 +182,15 @@ def hit_steps(rounds: int) -> list[str]:
 
 
 def run_fresh(runner: Runner, name: str, kv: dict, rounds: int) -> dict:
-    """Store once, then one fresh engine per measurement (and one for the output) on the same store."""
-    runner.engine(f"{name}-store", kv, True, ["warmup", "store"])
-    runs = [runner.engine(f"{name}-{i}", kv, True, ["warmup", "time"]) for i in range(rounds)]
-    out = runner.engine(f"{name}-output", kv, True, ["warmup", "output"])
+    """Store once, then one fresh engine per measurement (and one for the output) on the same store.
+
+    Each measured engine warms up on a prompt of its own that nothing stored (a cold request), so
+    its timed request is its first hit: what a user's first request after a restart pays."""
+    runner.engine(f"{name}-store", kv, True, ["store"])
+    n = len(runner.base["prompt"])
+    runs = [runner.engine(f"{name}-{i}", kv, True, ["warmup", "time"],
+                          warmup=make_prompt(runner.base["model"], n, 100 + i)) for i in range(rounds)]
+    out = runner.engine(f"{name}-output", kv, True, ["warmup", "output"], warmup=make_prompt(runner.base["model"], n, 99))
     merged = {k: [r[k][0] for r in runs] for k in ("samples_ms", "cpu_ms", "cached_tokens")}
     return {**merged, "engine_start_s": runs[0]["engine_start_s"],
             "output": out["output"], "output_cached_tokens": out["output_cached_tokens"]}
