@@ -91,7 +91,8 @@ def check_disk(root: Path, fix: bool = False, progress: bool = True) -> dict[str
 
 def _check_blocks(root: Path, fix: bool, tally: _Tally, legacy: set[tuple[str, int]],
                   kept: set[tuple[str, int]], bar: ShardBar) -> None:
-    """Every entry of ``root/blocks``, payloads checksummed, one shard folder at a time."""
+    """Every entry of ``root/blocks``, payloads checksummed, one shard folder at a time (the bar
+    counts every file there: blocks, temp files, foreign files)."""
     shards = blocks = 0
 
     def lister(shard: str, dir_fd: int) -> Iterator[os.DirEntry]:
@@ -107,8 +108,8 @@ def _check_blocks(root: Path, fix: bool, tally: _Tally, legacy: set[tuple[str, i
                     kept.add(pair)
             blocks += 1
             if blocks % _DRAW_EVERY == 0:
-                bar.update(shards - 1, blocks)
-        bar.update(shards, blocks)
+                bar.update(shards - 1, blocks, "files")
+        bar.update(shards, blocks, "files")
 
 
 def _keyless_markers(root: Path) -> set[tuple[str, int]]:

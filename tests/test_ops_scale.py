@@ -222,7 +222,7 @@ def test_check_shows_a_bar_with_a_total_on_a_terminal_only(tmp_path: Path, env: 
     rc, out, term = _on_terminal(["check", "--config", str(cfg)], env)
     assert rc == 1 and f"ok: {folder.counts['ok']}" in out  # bad blocks: exit 1
     assert "checking blocks" in term and "256/256 shard folders" in term
-    assert f"{folder.counts['ok'] + folder.counts['bad'] + 2 + 3:,} blocks" in term  # every entry of blocks/
+    assert f"{folder.counts['ok'] + folder.counts['bad'] + 2 + 3:,} files" in term  # every entry of blocks/
     assert "checking tail markers" in term
     rc, out, term = _on_terminal(["check", "--config", str(cfg), "--json"], env)
     assert rc == 1 and json.loads(out)["ok"] == folder.counts["ok"] and "shard folders" not in term
@@ -268,3 +268,16 @@ def test_gc_shows_progress_and_removes_the_same(tmp_path: Path, env: dict[str, s
         assert before - _tree(root / "blocks") == stale
         results.append(json.loads(out))
     assert results[0] == results[1]
+
+
+def test_stats_shows_the_count_of_the_disk_tier_on_a_terminal(tmp_path: Path, env: dict[str, str]) -> None:
+    """``stats`` on a terminal shows the background count of L2 (shard folders of 256, blocks so
+    far) on stderr before its tables; with ``--json`` stderr stays empty of it."""
+    root = tmp_path / "s" / "l2"
+    _gc_folder(root, 20_000, 0)
+    cfg = _write_config(tmp_path, root)
+    rc, out, term = _on_terminal(["stats", "--config", str(cfg), "--wait", "60"], env)
+    assert rc == 0 and "kvstrata tiers" in out
+    assert "counting the disk tier" in term and "256/256 shard folders, 20,000 blocks" in term, term[-2000:]
+    rc, out, term = _on_terminal(["stats", "--config", str(cfg), "--json"], env)
+    assert rc == 0 and json.loads(out)["tiers"]["l2"]["blocks"] == 20_000 and "shard folders" not in term
