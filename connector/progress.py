@@ -36,9 +36,11 @@ class ShardBar:
         self._task = self._progress.add_task(description, total=SHARD_FOLDERS if shards else None, detail="")
 
     def finish(self) -> None:
-        """The current stage is done (its line stays, full, with its last figures)."""
+        """The current stage ends; its line stays with its last figures (a stage without a total
+        is shown full; a count of shard folders as far as it got: ``stats --wait`` may stop early)."""
         if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, total=1, completed=1)
+            if self._progress.tasks[-1].total is None:
+                self._progress.update(self._task, total=1, completed=1)
             self._task = None
 
     def update(self, shards: int, items: int, unit: str = "blocks") -> None:
