@@ -266,7 +266,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     st = with_config(add(sub, "stats", "what is stored: size per tier, and per model (namespace)"))
     st.epilog = ("stats opens the store; the disk tier is counted in the background (a progress bar on "
                  "stderr when it is a terminal and not --json): past --wait the figures are an estimate, "
-                 "said so. Memory: the store's index, about 200 bytes per block on the disk tier.")
+                 "said so. Memory: the store's index, about 200 bytes per block counted so far.")
     st.add_argument("--json", action="store_true", help=JSON_HELP)
     st.add_argument("--wait", type=float, default=10.0, metavar="S",
                     help="seconds to wait for the disk tier to be counted (default 10); past that, the "
@@ -282,8 +282,9 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     inv.add_argument("--all", action="store_true", help="every namespace in the store")
     gcp = with_config(add(sub, "gc", "delete blocks of replaced generations, trim tiers to their sizes"))
     gcp.epilog = ("gc opens the store and waits until every block of the disk tier is in its index (a "
-                  "progress bar on stderr when it is a terminal), then acts on the index: it needs about "
-                  "200 bytes of memory per block on the disk tier (173-202 measured at 1M blocks). "
+                  "progress bar on stderr when it is a terminal), then acts on the index: its memory grows "
+                  "with the tier, about 400 bytes per block on the disk tier (the index's ~200, plus the "
+                  "scan's; 390 MB measured at 1M blocks). "
                   "`kvstrata check` streams instead, in a memory that does not grow with the tier.")
     benches = add(sub, "bench", "benchmarks: store, ttft, decode, serve, identity, remote")
     bench = benches.add_subparsers(dest="sub", required=True)
