@@ -35,6 +35,8 @@ class Evictor:
         self._demote = demote
         self._lock = threading.Lock()  # one reservation evicts at a time
         self._holder = 0  # the thread holding ``_lock`` (it never waits for L2's count: prepare_store would)
+        self._unreported = Counter[str]()  # dropped by the end of L2's count, reported by the next gc()
+        self._unreported_lock = threading.Lock()
 
     def reserve_slots(self, metas: list[EntryMeta]) -> Reservation:
         """Fresh L1 slots for ``metas`` (one block size), evicting LRU blocks for room; a prefix
@@ -138,7 +140,9 @@ class Evictor:
         return sorted(set(self.p.index.census([]).seeds) | set(self.p.epochs.known()))
 
     def gc(self, only: list[bytes] | None = None) -> dict[str, int]:
-        """Reclaim unpinned entries of older epochs, then enforce every tier's capacity."""
+        """Reclaim unpinned entries of older epochs, then enforce every tier's capacity. The counts
+        include what the end of L2's background count dropped since the last call (``kvstrata gc``
+        waits for that count, which does the disk tier's part of the work)."""
         p = self.p
         removed = self._drop_stale(only, p.tiers)
         for tier in p.backing:
@@ -147,6 +151,9 @@ class Evictor:
             if swept:
                 removed[tier.name] += swept
         p.counters.inc("gc_removed", sum(removed.values()))
+        with self._unreported_lock:  # already counted in gc_removed when dropped
+            removed.update(self._unreported)
+            self._unreported.clear()
         return dict(removed)
 
     def after_recovery(self) -> None:
@@ -158,6 +165,8 @@ class Evictor:
         removed = self._drop_stale(None, [p.l2])
         self.enforce_capacity(p.l2)
         p.counters.inc("gc_removed", sum(removed.values()))
+        with self._unreported_lock:
+            self._unreported.update(removed)
 
     def _drop_stale(self, only: list[bytes] | None, tiers: list[BlockTier]) -> Counter[str]:
         p = self.p
