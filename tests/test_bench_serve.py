@@ -121,6 +121,21 @@ def test_a_failed_request_is_counted_and_the_replay_goes_on():
     assert row["errors"] == len(rec.errors) and row["throughput_req_s"] == len(rec.results)
 
 
+def test_recompute_bound_target_compares_throughput_with_what_hits_alone_allow():
+    def row(config: str, req_s: float, recomputed: int) -> dict:
+        return {"config": config, "concurrency": 8, "throughput_req_s": req_s, "ttft_p50_ms": 100.0,
+                "hit_rate": 0.5, "tokens_recomputed": recomputed}
+
+    def bound_check(ours_req_s: float) -> dict:
+        checks = serve.ratios([row("baseline", 1.0, 30_000), row("strata-l1l2", ours_req_s, 20_000)], 0.5)
+        return next(c for c in checks if c["target"].startswith("throughput vs baseline / recompute bound"))
+
+    at_bound = bound_check(1.5)  # recomputing 2/3 of the baseline's tokens allows at most 1.5x
+    assert at_bound["target"].endswith("(1.500)") and at_bound["value"] == 1.0 and at_bound["met"]
+    short = bound_check(1.35)
+    assert short["value"] == 0.9 and not short["met"]
+
+
 def test_timestamp_replay_sends_on_scaled_trace_time():
     turns = build_turns([req(0, (1,)), req(400, (2,))], Scaling(64), ALLOWED)
     ep = FakeEndpoint()
