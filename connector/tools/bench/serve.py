@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: max prompt + max output, so a prompt is rarely split: vLLM's "
                         "ExampleConnector crashes loading a prompt it saved in chunks)")
     p.add_argument("--l1-size", default="2GiB", help="kvstrata CPU tier (LMCache's CPU tier is the same)")
+    p.add_argument("--hicache-ratio", type=float, default=2.0,
+                   help="SGLang: HiCache host pool / device pool (default %(default)s). SGLang's own host "
+                   "pool sits before any storage backend: when device + host hold the working set, storage "
+                   "(kvstrata or the file backend) is never read")
     p.add_argument("--dtype", default="auto", help="model dtype of every server")
     p.add_argument("--timeout", type=float, default=600, help="seconds per request and per server start")
     p.add_argument("--lmcache-dir", default=None, help="LMCache install folder (default .venv-lmcache)")
@@ -330,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
         max_batched_tokens=args.max_batched_tokens or args.max_prompt_tokens + args.max_output_tokens, dtype=args.dtype,
         l1_size=args.l1_size, redis_url=args.redis_url,
         lmcache_dir=Path(args.lmcache_dir).resolve() if args.lmcache_dir else ttft.lmcache_dir(args),
-        sglang_python=args.sglang_python, start_timeout=args.timeout, request_timeout=args.timeout)
+        sglang_python=args.sglang_python, start_timeout=args.timeout, request_timeout=args.timeout,
+        hicache_ratio=args.hicache_ratio)
     prompt_total = sum(len(t.prompt) for t in turns)
     what = (f"{sessions} conversations (seed {args.seed})" if sessions
             else f"requests {args.start}..{args.start + len(reqs) - 1}")
@@ -373,7 +378,8 @@ def run(args: argparse.Namespace) -> int:
                                 "device_tokens": device, "max_batched_tokens": settings.max_batched_tokens,
                                 "max_prompt_tokens": args.max_prompt_tokens,
                                 "max_output_tokens": args.max_output_tokens, "prompt_tokens": prompt_total,
-                                "l1_size": args.l1_size, "timestamps": args.timestamps,
+                                "l1_size": args.l1_size, "hicache_ratio": args.hicache_ratio,
+                                "timestamps": args.timestamps,
                                 "time_scale": args.time_scale if args.timestamps else None}}
         print(json.dumps(summary))
     return 0 if all(r["errors"] == 0 for r in results) else 1

@@ -41,6 +41,7 @@ class Settings(NamedTuple):
     sglang_python: str | None
     start_timeout: float
     request_timeout: float
+    hicache_ratio: float = 2.0  # SGLang: host pool / device pool of every HiCache configuration
 
 
 class Result(NamedTuple):
@@ -206,7 +207,7 @@ def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack)
             "--dtype", s.dtype, "--random-seed", "0"]
     args += sg.cpu_flags(s.device_tokens) if not cuda else ["--max-total-tokens", str(s.device_tokens)]
     if config != "baseline":
-        args += ["--enable-hierarchical-cache", "--hicache-ratio", "2",
+        args += ["--enable-hierarchical-cache", "--hicache-ratio", f"{s.hicache_ratio:g}",
                  "--hicache-storage-prefetch-policy", "wait_complete"]
     if config in ("strata-l1l2", "strata-remote"):
         url = stack.enter_context(redis_server(s.redis_url, folder / "redis")) if config == "strata-remote" else None

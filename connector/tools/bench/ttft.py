@@ -190,7 +190,8 @@ def run_fresh(runner: Runner, name: str, kv: dict, rounds: int) -> dict:
     n = len(runner.base["prompt"])
     runs = [runner.engine(f"{name}-{i}", kv, True, ["warmup", "time"],
                           warmup=make_prompt(runner.base["model"], n, 100 + i)) for i in range(rounds)]
-    out = runner.engine(f"{name}-output", kv, True, ["warmup", "output"], warmup=make_prompt(runner.base["model"], n, 99))
+    out = runner.engine(f"{name}-output", kv, True, ["warmup", "output"],
+                        warmup=make_prompt(runner.base["model"], n, 99))
     merged = {k: [r[k][0] for r in runs] for k in ("samples_ms", "cpu_ms", "cached_tokens")}
     return {**merged, "engine_start_s": runs[0]["engine_start_s"],
             "output": out["output"], "output_cached_tokens": out["output_cached_tokens"]}
