@@ -43,12 +43,14 @@ pip_ install -c "$HOLD" aiohttp "anthropic>=0.20.0" apache-tvm-ffi==0.1.11 blobf
   "pyzmq>=25.1.2" regex requests scipy sentencepiece==0.2.1 setproctitle "smg-grpc-servicer>=0.9.0" \
   soundfile==0.13.1 tiktoken tokenizers==0.23.2 tqdm transformers==5.19.0 "uvicorn>=0.51" uvloop \
   watchfiles xgrammar==0.2.7 xxhash zstandard
-# kvstrata itself (editable, so the adapter is the working tree's) and the test tools.
-pip_ install -c "$HOLD" -e . pytest pytest-timeout
+# kvstrata itself (editable, so the adapter is the working tree's) with redis-py for its shared
+# tier, and the test tools.
+pip_ install -c "$HOLD" -e '.[redis]' pytest pytest-timeout
 "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 import kvstrata.store  # noqa: F401
+import redis  # noqa: F401  (the shared tier: remote.backend redis)
 from importlib.metadata import version
 assert version("sglang") == "0.5.23"
 PY

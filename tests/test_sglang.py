@@ -323,6 +323,36 @@ def test_l1_smaller_than_host_pool_moves_pages_directly_and_never_serves_a_corru
 
 
 @needs_sglang_env
+def test_shared_redis_tier_alone_serves_a_fresh_server_with_identical_output(servers, tmp_path):
+    """Scenario: kvstrata's CPU tier and the shared Redis tier, no disk tier (a real redis-server
+    on loopback). A fresh server, its L1 empty, loads what the first one stored from Redis."""
+    import redis
+
+    from kvstrata.tools.redis_server import redis_server
+
+    with redis_server(folder=tmp_path / "redis") as url:
+        config = write_config(tmp_path / "remote.json", tmp_path / "l2", remote={"enabled": True, "url": url})
+        raw = json.loads(config.read_text())
+        raw["l2"] = {"enabled": False}  # no disk tier: every hit of the fresh server is from Redis
+        config.write_text(json.dumps(raw))
+        server = servers.get(config)
+        ids = _ids(11)
+        first = server.generate(ids)
+        client, want = redis.Redis.from_url(url), len(ids) // PAGE
+        deadline, last = time.monotonic() + 60, -1
+        while (n := client.dbsize()) < want or n != last:  # backups are asynchronous: until it settles
+            assert time.monotonic() < deadline, f"{n} keys in Redis for {want} pages"
+            last = n
+            time.sleep(0.5)
+        server = servers.get(config, fresh=True)
+        second = server.generate(ids)
+        servers.stop()  # before its Redis goes
+    assert first["storage"] == 0
+    assert storage_share(second, ids) >= 0.9 and second["device"] == 0
+    assert second["tokens"] == first["tokens"]
+
+
+@needs_sglang_env
 def test_bad_backend_config_stops_the_server_at_start_with_kvstrata_message(servers, tmp_path):
     config = write_config(tmp_path / "bad.json", tmp_path / "l2", l1={"size": "1GiB", "colour": "blue"})
     server = servers.start_failing(config)

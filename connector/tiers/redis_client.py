@@ -26,8 +26,12 @@ _WARN_EVERY_S = 60.0
 def connect(cfg: RemoteConfig, blocking: bool = False) -> Any:
     """A redis-py client (Cluster-aware when ``cluster``) with the configured timeouts, or
     without a read timeout for a long-lived subscriber (``blocking``)."""
-    import redis
-    from redis.cluster import RedisCluster
+    try:
+        import redis
+        from redis.cluster import RedisCluster
+    except ImportError as e:
+        raise RuntimeError(f"remote.backend: redis needs the redis package in this environment ({e}): "
+                           "pip install 'kvstrata[redis]'") from e
 
     timeout = cfg.timeout_ms / 1000
     kwargs: dict[str, Any] = dict(socket_timeout=None if blocking else timeout, socket_connect_timeout=timeout)
