@@ -8,25 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
 
+from .serving import free_port, listening
+
 MAXMEMORY = "4gb"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @contextlib.contextmanager
@@ -46,7 +36,7 @@ def redis_server(url: str | None = None, folder: Path | None = None, maxmemory: 
         raise RuntimeError("needs a Redis URL or redis-server on PATH")
     folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="kvstrata-redis-"))
     folder.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
            "--dir", str(folder)]
     if maxmemory:
@@ -56,7 +46,7 @@ def redis_server(url: str | None = None, folder: Path | None = None, maxmemory: 
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + start_timeout
-        while not _listening(port):
+        while not listening(port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start (see {folder / 'redis.log'})")
             time.sleep(0.05)

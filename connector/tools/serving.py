@@ -36,6 +36,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on the loopback ``port``."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def cuda_available() -> bool:
     try:
         import torch

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 from ..redis_server import redis_server
-from ..serving import Server, cached_by_source, free_port, stream, vllm_command
+from ..serving import Server, cached_by_source, free_port, listening, stream, vllm_command
 from . import ttft
 
 CONFIGS = ("baseline", "strata-l1l2", "strata-remote", "peer", "lmcache")
@@ -130,7 +130,7 @@ def _lmcache_server(s: Settings, folder: Path, env: dict[str, str]) -> Iterator[
                                 env={**os.environ, **env}, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while not ttft._listening(port):
+        while not listening(port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"lmcache server not listening (exit code {proc.poll()}); "
                                    f"see {folder / 'lmcache-server.log'}")

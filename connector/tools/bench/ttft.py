@@ -43,7 +43,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from ..redis_server import redis_server
+from ..serving import free_port, listening
 
 log = logging.getLogger(__name__)
 
@@ -226,22 +226,11 @@ def ensure_lmcache(target: Path, timeout: float = 600) -> None:
     tmp.rename(target)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def run_lmcache(runner: Runner, steps: list[str], start_timeout: float = 180) -> dict:
     target = lmcache_dir(runner.args)
     ensure_lmcache(target)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))}
-    port, log_path = _free_port(), runner.work / "lmcache-server.log"
+    port, log_path = free_port(), runner.work / "lmcache-server.log"
     cmd = [sys.executable, "-c", LMCACHE_MAIN, "server", "--host", "localhost", "--port", str(port),
            "--chunk-size", "256", "--l1-size-gb", "2", "--eviction-policy", "LRU",
            "--supported-transfer-mode", "auto"]
@@ -250,7 +239,7 @@ def run_lmcache(runner: Runner, steps: list[str], start_timeout: float = 180) ->
                                   env={**runner.env, **env}, start_new_session=True)
     try:
         deadline = time.monotonic() + start_timeout
-        while not _listening(port):
+        while not listening(port):
             if server.poll() is not None or time.monotonic() > deadline:
                 raise BenchError(f"lmcache server not listening after {start_timeout:.0f} s (exit code "
                                  f"{server.poll()}): {_tail(log_path, 1)[-300:]}")
