@@ -53,7 +53,7 @@ def _free_port() -> int:
 def write_config(path: Path, l2: Path, *, v1: bool = True, **extra: Any) -> Path:
     cfg = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
            "class_name": "StrataStorage", "interface_v1": int(v1),
-           "hicache_storage_pass_prefix_keys": True,
+           "hicache_storage_pass_prefix_keys": True,  # passed, and ignored: see StrataStorage
            "l1": {"size": "256MiB"}, "l2": {"path": str(l2)}, **extra}
     path.write_text(json.dumps(cfg))  # JSON is YAML; SGLang picks the parser by extension
     return path
@@ -288,6 +288,25 @@ def test_clear_endpoint_leaves_no_hits_afterwards(servers, v1_config):
 
 
 @needs_sglang_env
+def test_continuation_of_a_prefix_sglang_still_holds_is_served_from_storage(servers, v1_config):
+    """Scenario: the usual one in serving. The device and host caches still hold a prompt's
+    head (a shared system prompt, the earlier turns) but have evicted its tail, which the disk
+    tier holds. SGLang then asks storage for the tail only, and passes as prefix keys the
+    ancestors of its last cached node, not that node's own pages: keys must not depend on them.
+    (Until kvstrata keyed pages by SGLang's own chained SHA-256 alone, this read nothing.)"""
+    server = servers.get(v1_config)
+    head, tail = _ids(12, 256), _ids(13, 352)
+    first, _ = stored(server, head + tail, block_files(v1_config))
+    server.flush()
+    server.generate(head)  # the head is cached again; the tail only in storage
+    time.sleep(3)  # SGLang backs the head up to its host pool after the request (asynchronously)
+    again = server.generate(head + tail)
+    assert again["device"] + again["host"] >= len(head)
+    assert again["storage"] >= len(tail) - PAGE, again
+    assert again["tokens"] == first["tokens"]
+
+
+@needs_sglang_env
 def test_legacy_interface_request_after_flush_is_served_from_storage(servers, tmp_path):
     config = write_config(tmp_path / "legacy.json", tmp_path / "l2", v1=False)
     server = servers.get(config)
@@ -297,7 +316,7 @@ def test_legacy_interface_request_after_flush_is_served_from_storage(servers, tm
     second = server.generate(ids)
     assert storage_share(second, ids) >= 0.9
     assert second["tokens"] == first["tokens"]
-    assert "per-page keys" in server.log()
+    assert "legacy flat-page interface" in server.log()
 
 
 @needs_sglang_env

@@ -1,8 +1,8 @@
 """What an SGLang storage backend's pages are keyed on.
 
 Owns kvstrata's part of SGLang's extra config (``load_strata_config``: the keys that belong to
-SGLang are left out), SGLang page keys as bytes (``digests_of``), whether the server passes prefix
-keys, and the namespace (model and weights version, dtype, pool layout, page size, ranks, key mode).
+SGLang are left out), SGLang page keys as bytes (``digests_of``) and the namespace (model and weights version, dtype,
+pool layout, page size, ranks, interface).
 """
 
 from __future__ import annotations
@@ -41,22 +41,6 @@ def digests_of(keys: Sequence[str]) -> list[bytes]:
         return [k.encode() for k in keys]
 
 
-def server_passes_prefix_keys() -> bool | None:
-    """Whether the running server passes prefix keys to the backend (None outside a server).
-
-    SGLang pops the flag from the extra config before the backend sees it, so read the server's
-    own copy of the option.
-    """
-    try:
-        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
-        from sglang.srt.runtime_context import get_memory
-
-        raw = get_memory().hicache_storage_backend_extra_config
-        return bool(HybridCacheController.parse_storage_backend_extra_config(raw)[4])
-    except Exception:  # not inside a server (tests, benchmarks) or another SGLang version
-        return None
-
-
 def _loaded_model(model_name: str) -> tuple[str, str | None]:
     """The model path (folder or hub id) and revision the server loaded. ``model_name`` is the served
     name, which may be an alias (``--served-model-name``) or carry a storage format tag."""
@@ -69,7 +53,8 @@ def _loaded_model(model_name: str) -> tuple[str, str | None]:
         return model_name, None
 
 
-def namespace_for(config: "HiCacheStorageConfig", cfg: StrataConfig, rows: "PageRows", chained: bool) -> Namespace:
+def namespace_for(config: "HiCacheStorageConfig", cfg: StrataConfig, rows: "PageRows", v1: bool) -> Namespace:
+    """``v1``: the zero-copy interface (its pages are keyed apart from the flat-page interface's)."""
     model = config.model_name or ""
     version = resolve_model_version(cfg.namespace.model_version, *_loaded_model(model))
     shared = config.is_mla_model  # MLA KV is identical on every TP rank: one copy for all
@@ -85,5 +70,5 @@ def namespace_for(config: "HiCacheStorageConfig", cfg: StrataConfig, rows: "Page
         tenant=cfg.namespace.tenant,
         extra={"pp": f"{config.pp_rank}/{config.pp_size}",
                "cp": f"{config.attn_cp_rank}/{config.attn_cp_size}",
-               "keys": "chained" if chained else "per_page"},
+               "interface": "v1" if v1 else "flat"},
     )

@@ -5,18 +5,16 @@ shared L2 folder. Owns the backend API SGLang calls (``batch_exists``, ``batch_g
 ``batch_set_v1``, the legacy flat-page methods, ``clear``, ``get_stats``) and the choice of data path.
 
 Keys. SGLang names a page by a hex SHA-256 chained over the previous page's key and the page's
-token ids. Two key modes, fixed per instance by the extra config:
-
-- ``interface_v1: 1`` (zero-copy, the shipped config): SGLang passes the keys of the pages before
-  each batch (``hicache_storage_pass_prefix_keys: true``), so a batch is mapped with
-  ``keys.chain_digests`` over prefix + batch and the index checks every page's parent key, as for
-  token blocks. Pages move straight between the host pool and the store, one batched index
-  operation per call (``PageRows``). Calls that carry no prefix (``get``, ``set``, ``exists`` and
-  the flat-page methods below, which SGLang does not use in this mode) take their keys to start
-  a sequence.
-- legacy (``batch_get``/``batch_set`` with flat page tensors): SGLang passes no prefix to these
-  calls, so each page is a chain of one rooted at the namespace; the parent check is then
-  SGLang's own, inside its SHA-256 keys.
+token ids (and the request's extra key and cache salt), so one page key already stands for the
+whole prefix before it. kvstrata keys each page by that digest alone, seeded by the namespace and
+its epoch (``key = xxh3_128(root || digest)``, a chain of one rooted at the namespace), and the
+index confirms a hit by key and fingerprint; the parent check is SGLang's own, inside its SHA-256.
+Keys never depend on the prefix keys SGLang may pass (``hicache_storage_pass_prefix_keys``): when
+SGLang asks storage for the continuation of a prefix its device or host cache still holds, it
+passes the ancestors of its last cached node without that node's own pages (SGLang 0.5.23,
+``get_prefix_hash_values``), so a chain over them would miss every such page.
+The same keys serve the zero-copy interface (``interface_v1: 1``, the shipped config) and the
+legacy flat-page methods.
 
 Data path (zero-copy interface). When kvstrata's L1 is smaller than the host pool
 (``bypass_l1``), a page not resident in L1 moves between the pool and its disk file with no copy
@@ -51,7 +49,7 @@ from kvstrata.store import BlockStore, ByteRuns, Hit
 
 from ..versions import check_engine_version
 from .metrics import StorageSeries, count_load, origins, series_labels
-from .namespace import digests_of, load_strata_config, namespace_for, server_passes_prefix_keys
+from .namespace import digests_of, load_strata_config, namespace_for
 from .pages import PageRows
 
 if TYPE_CHECKING:
@@ -96,11 +94,7 @@ class StrataStorage(HiCacheStorage):
             check_engine_version("sglang")
         extra = storage_config.extra_config or {}
         self.config = load_strata_config(extra)
-        self.chained = bool(extra.get("interface_v1", 0))
-        if self.chained and server_passes_prefix_keys() is False:
-            log.warning("kvstrata: the extra config lacks hicache_storage_pass_prefix_keys: true, so "
-                        "SGLang keys every batch as if it started a sequence and most pages after "
-                        "the first batch will miss (see configs/sglang.yaml)")
+        self.v1 = bool(extra.get("interface_v1", 0))  # the zero-copy interface, else flat pages
         # MLA ranks hold the same pages: only the writer stores them, every rank reads.
         self.writer = getattr(storage_config, "is_storage_writer",
                               not storage_config.is_mla_model or storage_config.tp_rank == 0)
@@ -110,14 +104,14 @@ class StrataStorage(HiCacheStorage):
         self.bypass_l1 = False  # set by register_mem_pool_host
         self._calls = _CallLog()
         self._series: StorageSeries | None = None  # made at the first get_stats with metrics on
-        log.info("kvstrata: SGLang storage backend for %s (tp %d/%d, %s keys, writer=%s)",
+        log.info("kvstrata: SGLang storage backend for %s (tp %d/%d, %s interface, writer=%s)",
                  storage_config.model_name, storage_config.tp_rank, storage_config.tp_size,
-                 "chained" if self.chained else "per-page", self.writer)
+                 "zero-copy" if self.v1 else "legacy flat-page", self.writer)
 
     def register_mem_pool_host(self, mem_pool_host: "HostKVCache") -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.rows = PageRows(mem_pool_host, self.store.max_runs)
-        self.ns = namespace_for(self.storage_config, self.config, self.rows, self.chained)
+        self.ns = namespace_for(self.storage_config, self.config, self.rows, self.v1)
         self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
         # An L1 smaller than the host pool would mostly hold pages the pool still has (both are
         # LRU over the same pages), so its copy is pure cost: pages then go straight between
@@ -134,21 +128,17 @@ class StrataStorage(HiCacheStorage):
             raise RuntimeError("kvstrata: register_mem_pool_host() was not called")
         return self.rows, self.ns
 
-    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> tuple[int, BlockChain]:
-        """Current epoch and the kvstrata chain of ``keys`` (this batch only)."""
+    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> tuple[int, BlockChain]:
+        """Current epoch and the kvstrata keys of ``keys``: one chain of one page each, rooted at
+        the namespace (see the module docstring: SGLang's keys are chained already, and the
+        prefix keys it passes are not always the pages before ``keys``)."""
         ns = self._require_pool()[1]
         epoch = self.store.current_epoch(ns)
         root = root_key(ns.seed, epoch)
         ntok = ns.block_size
-        if not self.chained:  # one chain per page, each rooted at the namespace
-            parts = [chain_digests(root, [d], ntok) for d in digests_of(keys)]
-            return epoch, BlockChain([c.keys[0] for c in parts], [root] * len(parts),
-                                     [c.fps[0] for c in parts], [ntok] * len(parts))
-        # SGLang sends None for an empty prefix (a batch that starts the sequence).
-        prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
-        chain = chain_digests(root, digests_of([*prefix, *keys]), ntok)
-        start = len(prefix)
-        return epoch, BlockChain(*(part[start:] for part in chain))
+        parts = [chain_digests(root, [d], ntok) for d in digests_of(keys)]
+        return epoch, BlockChain([c.keys[0] for c in parts], [root] * len(parts),
+                                 [c.fps[0] for c in parts], [ntok] * len(parts))
 
     # -------------------------------------------------------------- queries
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:

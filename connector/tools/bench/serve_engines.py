@@ -213,7 +213,7 @@ def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack)
         url = stack.enter_context(redis_server(s.redis_url, folder / "redis")) if config == "strata-remote" else None
         kvstrata = _strata_yaml(folder / "kvstrata.yaml", s, folder, url)
         plugin = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
-                  "class_name": "StrataStorage", "interface_v1": 1, "hicache_storage_pass_prefix_keys": True,
+                  "class_name": "StrataStorage", "interface_v1": 1,
                   "config_file": str(kvstrata)}
         (folder / "sglang.json").write_text(json.dumps(plugin))
         args += ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",

@@ -60,7 +60,7 @@ def wanted_configs(text: str | None) -> list[str]:
 def strata_extra_config(work: Path) -> dict:
     """configs/sglang.yaml's keys with kvstrata's disk tier in the work folder."""
     return {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang", "class_name": "StrataStorage",
-            "interface_v1": 1, "hicache_storage_pass_prefix_keys": True,
+            "interface_v1": 1,
             "l1": {"size": "2GiB"}, "l2": {"path": str(work / "l2-store"), "size": "32GiB"}}
 
 
