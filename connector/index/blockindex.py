@@ -1,5 +1,5 @@
 """index/blockindex.py: ``BlockIndex``, which blocks exist, where, and whether a requested chain
-may use them. Its rows (numpy columns, one dict from key to row) are ``table``'s.
+may use them. Its rows (numpy columns, a numpy ``KeyMap`` from key to row) are ``table``'s.
 
 Primitives:
 - ``match(ns, epoch, chain, start)``: length of the leading run of ``chain`` that is committed and
@@ -76,16 +76,12 @@ class BlockIndex(Table):
 
     def _match_rows(self, ns_seed: bytes, epoch: int, chain: BlockChain, start: int) -> np.ndarray:
         keys = chain.keys[start:] if start else chain.keys
-        if self._key_bytes < 16:
-            keys = [k[: self._key_bytes] for k in keys]
-        rows = list(map(self._rows.get, keys))  # C-level loop over the dict
-        try:
-            rows = rows[: rows.index(None)]
-        except ValueError:
-            pass
-        if not rows:
-            return np.empty(0, np.int64)
-        r = np.array(rows, dtype=np.int64)
+        r = self._map.find(np.frombuffer(b"".join(keys), np.uint64).reshape(len(keys), 2))
+        miss = np.flatnonzero(r < 0)
+        if len(miss):
+            r = r[: miss[0]]
+        if not len(r):
+            return r
         bad = np.flatnonzero(~self._valid(ns_seed, epoch, chain, r, start))
         if len(bad):
             r = r[: bad[0]]
@@ -94,9 +90,9 @@ class BlockIndex(Table):
 
     def valid_mask(self, ns_seed: bytes, epoch: int, chain: BlockChain) -> np.ndarray:
         """Per block of ``chain``: is a valid copy already committed? (Used to skip re-saves.)"""
-        kb = self._key_bytes
+        keys = np.frombuffer(b"".join(chain.keys), np.uint64).reshape(len(chain.keys), 2)
         with self._lock:
-            rows = np.array([self._rows.get(k[:kb], -1) for k in chain.keys], dtype=np.int64)
+            rows = self._map.find(keys)
             mask = rows >= 0
             if mask.any():
                 mask[mask] = self._valid(ns_seed, epoch, chain, rows, 0)[mask]
@@ -121,7 +117,7 @@ class BlockIndex(Table):
             & (self._ns[r] == ns)
             & (self._tiers[r] != 0)
         )
-        if self._key_bytes < 16:  # the dict matched only a prefix of the key: compare the rest
+        if self._key_bytes < 16:  # the map matched only a prefix of the key: compare the rest
             key = np.frombuffer(b"".join(chain.keys[start:stop]), np.uint64)
             ok &= (self._key[r, 0] == key[0::2]) & (self._key[r, 1] == key[1::2])
         return ok
@@ -207,7 +203,7 @@ class BlockIndex(Table):
         pinned, or it is not indexed in that tier (any more)."""
         with self._lock:
             self._expire_leases()
-            row = int(self._rows_of([key])[0])
+            row = self._row_of(key)
             if row < 0 or self._pins[row] or not self._tiers[row] & tier_bit:
                 return False
             self._tiers[row] &= ~np.uint8(tier_bit)
@@ -218,7 +214,7 @@ class BlockIndex(Table):
     def drop_tier(self, key: bytes, tier_bit: int) -> None:
         """The tier no longer holds block ``key``; forget the entry when no tier does."""
         with self._lock:
-            row = int(self._rows_of([key])[0])
+            row = self._row_of(key)
             if row < 0:
                 return
             self._tiers[row] &= ~np.uint8(tier_bit)
@@ -244,9 +240,10 @@ class BlockIndex(Table):
 
     def _release(self, rows: np.ndarray) -> None:
         np.subtract.at(self._pins, rows, 1)
-        for row in rows[(self._pins[rows] == 0) & (self._tiers[rows] == 0)]:
-            if self._rows.get(self._key[row].tobytes()[: self._key_bytes]) == row:
-                self._remove(int(row))
+        key = self._key.item
+        for row in rows[(self._pins[rows] == 0) & (self._tiers[rows] == 0)].tolist():
+            if self._map.get_one(key(row, 0), key(row, 1)) == row:  # still live (not yet removed)
+                self._remove(row)
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -266,14 +263,15 @@ class BlockIndex(Table):
     def entries(self) -> Iterator[tuple[int, EntryMeta, int]]:
         """Snapshot of (row, meta, tier bits) for stats and GC."""
         with self._lock:
-            snap = [(row, self._meta(row), int(self._tiers[row])) for row in self._rows.values()]
+            rows = np.sort(self._map.rows()).tolist()  # row order: allocation order
+            snap = [(row, self._meta(row), int(self._tiers[row])) for row in rows]
         yield from snap
 
     def census(self, tier_bits: list[int]) -> Census:
         """Blocks and bytes per (namespace seed, epoch) and per tier bit, and the namespaces
         indexed: vectorized over the columns (no per-entry object), for ``stats`` and GC."""
         with self._lock:
-            rows = np.fromiter(self._rows.values(), np.int64, len(self._rows))
+            rows = self._map.rows()
             ns, epoch, tiers = self._ns[rows], self._epoch[rows], self._tiers[rows]
             size = self._size[rows].astype(np.int64)
             seeds = list(self._ns_seeds)
@@ -297,6 +295,6 @@ class BlockIndex(Table):
             ns = self._ns_ids.get(ns_seed)
             if ns is None:
                 return []
-            used = np.fromiter(self._rows.values(), np.int64, len(self._rows))
+            used = self._map.rows()
             mask = (self._ns[used] == ns) & (self._epoch[used] != np.uint64(epoch)) & (self._pins[used] == 0)
             return [int(r) for r in used[mask]]

@@ -1,11 +1,12 @@
 """index/table.py: the rows of the block index: ``EntryMeta`` (one block's entry, what a tier
 stores beside its bytes) and ``Table``, the committed entries kept in numpy columns.
 
-One entry per stored block, in numpy columns (a slab of rows) with one dict from key to row, so
-that an entry costs a fixed ~150 bytes and a lookup validates a whole prefix with a handful of
-vectorized comparisons instead of per-block Python objects. ``Table`` writes rows (``_commit``,
-``_commit_many``), reads them (``_rows_of``, ``_meta``), frees them (``_remove``) and keeps the
-tail counts (partial blocks per parent). It takes no lock: ``BlockIndex`` calls it under its own.
+One entry per stored block, in numpy columns (a slab of rows) with a ``KeyMap`` from key to row
+(``keymap``: numpy slots, not a dict), so that an entry costs a fixed ~100-200 bytes and a lookup
+finds and validates a whole prefix with a handful of vectorized steps instead of per-block Python
+objects. ``Table`` writes rows (``_commit``, ``_commit_many``), reads them (``_rows_of``,
+``_meta``), frees them (``_remove``) and keeps the tail counts (partial blocks per parent). It
+takes no lock: ``BlockIndex`` calls it under its own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+
+from .keymap import KeyMap, words_of
 
 
 class EntryMeta(NamedTuple):
@@ -33,13 +36,13 @@ RECENT = 1 << 56  # the first use stamp; recovered blocks are stamped below it
 
 
 class Table:
-    """The columns, the key -> row dict, the free rows, the namespaces and the tail counts."""
+    """The columns, the key -> row map, the free rows, the namespaces and the tail counts."""
 
     def __init__(self, key_bits: int, capacity: int) -> None:
         if key_bits % 8 or not 8 <= key_bits <= 128:
             raise ValueError(f"key_bits must be a multiple of 8 in [8, 128], got {key_bits}")
         self._key_bytes = key_bits // 8
-        self._rows: dict[bytes, int] = {}
+        self._map = KeyMap(self._key_bytes, np.zeros((0, 2), np.uint64))
         self._free: list[int] = []
         # Use stamps start high: ``_commit_many`` can then file recovered blocks as older than
         # any block used since open, in the order of their files' mtimes (microseconds < 2^56).
@@ -74,6 +77,7 @@ class Table:
             setattr(self, "_" + name, col)
         self._free.extend(range(capacity - 1, old - 1, -1))
         self._cap = capacity
+        self._map.keys = self._key
 
     def _ns_id(self, ns_seed: bytes) -> int:
         ns = self._ns_ids.get(ns_seed)
@@ -83,18 +87,25 @@ class Table:
         return ns
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._map)
 
     def _rows_of(self, keys: list[bytes]) -> np.ndarray:
-        kb = self._key_bytes
-        get = self._rows.get
-        rows = np.array([get(k[:kb], -1) for k in keys], dtype=np.int64)
+        full = np.frombuffer(b"".join(keys), np.uint64).reshape(len(keys), 2)
+        rows = self._map.find(full)
         found = rows >= 0
-        if found.any():  # the row must hold this very key (a truncated key may name another block)
-            full = np.frombuffer(b"".join(keys), np.uint64).reshape(len(keys), 2)
-            same = (self._key[rows[found]] == full[found]).all(1)
+        if self._key_bytes < 16 and found.any():  # the row must hold this very key (a truncated
+            same = (self._key[rows[found]] == full[found]).all(1)  # key may name another block)
             rows[np.flatnonzero(found)[~same]] = -1
         return rows
+
+    def _row_of(self, key: bytes) -> int:
+        """``_rows_of`` for one key, without numpy temporaries."""
+        w0, w1 = words_of(key)
+        row = self._map.get_one(w0, w1)
+        if row >= 0 and self._key_bytes < 16:
+            if self._key.item(row, 0) != w0 or self._key.item(row, 1) != w1:
+                return -1
+        return row
 
     def _meta(self, row: int) -> EntryMeta:
         parent = self._parent[row].tobytes()
@@ -112,10 +123,10 @@ class Table:
 
     def _commit(self, meta: EntryMeta, tier_bit: int) -> int | None:
         """``BlockIndex.commit``, under the caller's lock."""
-        k = meta.key[: self._key_bytes]
+        w0, w1 = words_of(meta.key)
         ns = self._ns_id(meta.ns_seed)
-        row = self._rows.get(k)
-        if row is not None:
+        row = self._map.get_one(w0, w1)
+        if row >= 0:
             same = (
                 self._key[row].tobytes() == meta.key
                 and self._parent[row].tobytes() == meta.parent
@@ -134,8 +145,8 @@ class Table:
         if not self._free:
             self._alloc(self._cap * 2)
         row = self._free.pop()
-        self._rows[k] = row
         self._key[row] = np.frombuffer(meta.key, np.uint64)
+        self._map.insert_one(w0, w1, row)
         self._parent[row] = np.frombuffer(meta.parent, np.uint64)
         self._fp[row] = meta.fp
         self._checksum[row] = meta.checksum
@@ -158,23 +169,20 @@ class Table:
         with one vectorized assignment per column, the rest go through ``_commit``. With
         ``stamps`` (one per meta, below ``RECENT``) new rows take them as their last use instead
         of now; rows already indexed keep theirs."""
-        kb = self._key_bytes
-        fresh: dict[bytes, int] = {}
-        slow = []
-        for i, m in enumerate(metas):
-            k = m.key[:kb]
-            if k in self._rows or k in fresh:
-                slow.append(i)
-            else:
-                fresh[k] = i
+        if not metas:
+            return []
+        words = np.frombuffer(b"".join(m.key for m in metas), np.uint64).reshape(len(metas), 2)
+        is_fresh = self._first_seen(words) & (self._map.find(words) < 0)
+        fresh = np.flatnonzero(is_fresh)
+        slow = np.flatnonzero(~is_fresh).tolist()
         n = len(fresh)
         while len(self._free) < n:
             self._alloc(self._cap * 2)
         rows = np.array(self._free[len(self._free) - n :][::-1], dtype=np.int64)
         del self._free[len(self._free) - n :]
-        new = [metas[i] for i in fresh.values()]
-        self._rows.update(zip(fresh, rows.tolist()))
-        self._key[rows] = np.frombuffer(b"".join(m.key for m in new), np.uint64).reshape(n, 2)
+        new = [metas[i] for i in fresh.tolist()]
+        self._key[rows] = words[fresh]
+        self._map.insert_many(words[fresh], rows)
         self._parent[rows] = np.frombuffer(b"".join(m.parent for m in new), np.uint64).reshape(n, 2)
         self._fp[rows] = np.array([m.fp for m in new], np.uint64)
         self._checksum[rows] = np.array([m.checksum for m in new], np.uint64)
@@ -188,11 +196,14 @@ class Table:
         if stamps is None:
             self._stamp(rows)
         else:
-            self._last[rows] = stamps[np.fromiter(fresh.values(), np.int64, n)]
+            self._last[rows] = stamps[fresh]
         for m in new:
             if m.tail:
                 self._add_tail(m.parent, m.ntok)
-        out: list[int | None] = [self._rows[m.key[:kb]] for m in metas]
+        found = np.empty(len(metas), np.int64)
+        found[fresh] = rows
+        found[slow] = self._map.find(words[slow])  # indexed before, or earlier in this batch
+        out: list[int | None] = found.tolist()
         if slow:  # already indexed: the same block (vectorized: add the tier) or a collision
             same = self._same(slow, metas, out)
             rows_same = np.array([out[i] for i, ok in zip(slow, same) if ok], np.int64)
@@ -204,6 +215,25 @@ class Table:
                 if not ok:
                     out[i] = self._commit(metas[i], tier_bit)
         return out
+
+    def _first_seen(self, words: np.ndarray) -> np.ndarray:
+        """Per key ((n, 2) uint64): is it the first in the batch with its (truncated) key? Sorted
+        by the first word only, which already tells digests apart: the few keys that share one
+        are sorted again by both."""
+        first = np.ones(len(words), np.bool_)
+        if len(words) < 2:
+            return first
+        keys = words & np.frombuffer(b"\xff" * self._key_bytes + b"\x00" * (16 - self._key_bytes), np.uint64)
+        order = np.argsort(keys[:, 0], kind="stable")
+        head = keys[order, 0]
+        twin = np.flatnonzero(head[1:] == head[:-1])
+        if len(twin):
+            shared = np.unique(np.concatenate([order[twin], order[twin + 1]]))
+            sub = keys[shared]
+            by_key = np.lexsort((sub[:, 1], sub[:, 0]))  # stable: batch order within a key
+            s = sub[by_key]
+            first[shared[by_key[1:][(s[1:] == s[:-1]).all(1)]]] = False
+        return first
 
     def _same(self, idx: list[int], metas: list[EntryMeta], rows: list[int | None]) -> np.ndarray:
         """Whether each ``metas[i]`` (i in ``idx``) is exactly the block indexed at ``rows[i]``."""
@@ -223,10 +253,7 @@ class Table:
         counts[ntok] = counts.get(ntok, 0) + 1
 
     def _remove(self, row: int) -> None:
-        key = self._key[row].tobytes()
-        short = key[: self._key_bytes]
-        assert self._rows.get(short) == row, "removing a row that is not live"
-        del self._rows[short]
+        self._map.remove(self._key.item(row, 0), self._key.item(row, 1), row)
         parent = self._parent[row].tobytes()
         counts = self._tails.get(parent)
         ntok = int(self._ntok[row])
