@@ -144,7 +144,7 @@ def scale_fields(n: int, tmp: Path, progress: bool = True) -> dict[str, object]:
     return out
 
 
-def _lookup_us(stores: list[BlockStore], n_blocks: int, rounds: int = 25) -> list[float]:
+def _lookup_us(stores: list[BlockStore], n_blocks: int, rounds: int = 201) -> list[float]:
     """The ``lookup_us_per_1k_blocks`` measure (``store._lookup``) in each store, in turn."""
     ns = Namespace("bench", "bench-model", "v1", "bfloat16", "bench", 16)
     tokens = np.random.default_rng(0).integers(0, 150_000, n_blocks * 16, dtype=np.uint32)
