@@ -60,6 +60,8 @@ class Model:
         want = [self.dict.get(q[: self.kb], -1) for q in queries]
         words = np.frombuffer(b"".join(queries), np.uint64).reshape(len(queries), 2)
         assert self.map.find(words).tolist() == want
+        rows = sorted(self.dict.values())  # in row order: ``find``'s consecutive-row path
+        assert self.map.find(self.keys[rows]).tolist() == rows
         assert [self.map.get_one(*words_of(q)) for q in queries] == want
         assert sorted(self.map.rows().tolist()) == sorted(self.dict.values())
         assert len(self.map) == len(self.dict)
@@ -168,3 +170,28 @@ def test_commit_many_equals_commits_one_by_one(key_bits, picks):
     assert held(bulk, bulk.commit_many(metas, 2)) == expected
     assert len(bulk) == len(one)
     assert sorted((m.key, t) for _, m, t in bulk.entries()) == sorted((m.key, t) for _, m, t in one.entries())
+
+
+@pytest.mark.parametrize("key_bits", [8, 128])
+def test_find_in_consecutive_rows_skips_freed_and_reused_rows(key_bits: int) -> None:
+    """A prompt's keys in consecutive rows are found by comparing that slice of the key column;
+    a freed row keeps its stale key there (the table does not clear it) and must not count, and
+    a row reused by another key must not answer for the old one."""
+    keys = np.zeros((64, 2), np.uint64)
+    kmap = KeyMap(key_bits // 8, keys)
+    ks = [key_of(i + 1, 7) for i in range(20)]
+    words = np.frombuffer(b"".join(ks), np.uint64).reshape(20, 2)
+    keys[:20] = words
+    kmap.insert_many(words, np.arange(20))
+    assert kmap.find(words).tolist() == list(range(20))
+    kmap.remove(*words_of(ks[5]), 5)  # stale: row 5 still holds ks[5] in the key column
+    kmap.remove(*words_of(ks[9]), 9)
+    keys[9] = np.frombuffer(key_of(200, 1), np.uint64)  # row 9 reused by another key
+    kmap.insert_one(*words_of(key_of(200, 1)), 9)
+    want = [-1 if i in (5, 9) else i for i in range(20)]
+    assert kmap.find(words).tolist() == want
+    assert kmap.find(words[::-1].copy()).tolist() == want[::-1]
+    assert kmap.find(words[5:]).tolist() == want[5:]  # the first key missing: hashed path only
+    assert kmap.find(np.frombuffer(key_of(200, 1), np.uint64).reshape(1, 2)).tolist() == [9]
+    keys[5] = 0  # whatever a freed row holds, it is not mapped
+    assert kmap.find(words).tolist() == want

@@ -10,6 +10,13 @@ column, which the table holds anyway. ``find`` probes all of a prompt's keys at 
 slots in one numpy step, a window of the next slots for the few displaced keys in another), so
 the cache misses of one key overlap with the others' and the cost hardly grows with the map.
 
+Before hashing, ``find`` tries the rows after the first key's: a prompt's blocks are committed
+together (one ``commit_many`` per save, rows taken from the free list in ascending order), so
+they usually sit in consecutive rows, and comparing that slice of the key column with the keys
+asked for reads memory in order instead of one random slot per key. A row counts only if it is
+mapped (``_mapped``: a freed row keeps its stale key) and holds the very key; the map holds one
+row per key, so such a row is the answer. Keys not found there go through the slots as above.
+
 Keys are compared by their first ``key_bytes`` bytes (the rest of each (2,) uint64 word pair is
 masked off): two blocks whose keys agree there are the same key to the map, as they were to the
 dict of truncated keys. The table decides what a collision means.
@@ -59,6 +66,7 @@ class KeyMap:
         self._masked = key_bytes < 16
         self._live = 0
         self._tombs = 0
+        self._mapped = np.zeros(len(keys), np.bool_)  # per row of ``keys``: is it in the map?
         self._reset(max(_MIN_SLOTS, 1 << (slots - 1).bit_length()))
 
     def _reset(self, nslots: int) -> None:
@@ -76,6 +84,10 @@ class KeyMap:
         assert keys.flags.c_contiguous and keys.shape[1:] == (2,) and keys.dtype == np.uint64
         self._keys = keys
         self._kv = keys.view(_V16).reshape(-1)  # one item per row: 2x faster to gather than rows
+        mapped = getattr(self, "_mapped", None)
+        if mapped is not None and len(mapped) != len(keys):  # the table grew: rows keep their flag
+            self._mapped = np.zeros(len(keys), np.bool_)
+            self._mapped[: min(len(mapped), len(keys))] = mapped[: len(keys)]
 
     def __len__(self) -> int:
         return self._live
@@ -114,6 +126,7 @@ class KeyMap:
         if r == TOMBSTONE:
             self._tombs -= 1
         slots[i] = row
+        self._mapped[row] = True
         self._live += 1
 
     def remove(self, w0: int, w1: int, row: int) -> None:
@@ -128,6 +141,7 @@ class KeyMap:
         else:
             slots[i] = TOMBSTONE
             self._tombs += 1
+        self._mapped[row] = False
         self._live -= 1
 
     # ------------------------------------------------------------ vectorized
@@ -152,18 +166,39 @@ class KeyMap:
         return hit
 
     def find(self, words: np.ndarray) -> np.ndarray:
-        """Rows of keys ``words`` ((n, 2) uint64), -1 where missing, every key probed at once:
-        one numpy step for the home slots, where most keys are; one for a window of the next
-        ``_WINDOW`` slots of the others; the few runs longer than that one by one."""
+        """Rows of keys ``words`` ((n, 2) uint64), -1 where missing: the rows after the first
+        key's first (one slice of the key column), then, for the keys not there, every one probed
+        at once: one numpy step for the home slots, where most keys are; one for a window of the
+        next ``_WINDOW`` slots of the others; the few runs longer than that one by one."""
         n = len(words)
         if not n or not self._live:
             return np.full(n, -1, np.int64)
-        slots, pmask = self._slots, self._pmask
         want = words & self._wmask if self._masked else np.ascontiguousarray(words)
+        k0, k1 = int(want[0, 0]), int(want[0, 1])
+        r0 = self._probe(((k0 * GOLDEN) & _M64) >> self._shift, k0, k1)
+        if r0 < 0:
+            return self._find_hashed(words, want)
+        m = min(n, len(self._keys) - r0)
+        seg = self._keys[r0 : r0 + m]
+        if self._masked:
+            seg = seg & self._wmask
+        same = (seg == want[:m]).view(np.uint16)[:, 0] == 0x0101  # both words equal
+        same &= self._mapped[r0 : r0 + m]
+        if m == n and same.all():  # the common case: the prompt's blocks in consecutive rows
+            return np.arange(r0, r0 + n, dtype=np.int64)
+        out = np.full(n, -1, np.int64)
+        out[:m][same] = np.flatnonzero(same) + r0
+        todo = np.flatnonzero(out < 0)
+        out[todo] = self._find_hashed(words[todo], want[todo])
+        return out
+
+    def _find_hashed(self, words: np.ndarray, want: np.ndarray) -> np.ndarray:
+        """``find`` through the slots (``want``: ``words`` masked)."""
+        slots, pmask = self._slots, self._pmask
         pos = self._homes(words[:, 0])
         r = slots[pos]
         hit = self._hits(r, want)
-        if hit.all():  # the common case: every key at its home slot
+        if hit.all():  # every key at its home slot
             return r.astype(np.int64)
         out = np.where(hit, r, -1).astype(np.int64)
         todo = np.flatnonzero(~hit & (r != EMPTY))
@@ -189,7 +224,9 @@ class KeyMap:
             return
         if self._over(n):
             self._resize(n)
-        self._place(words[:, 0], np.asarray(rows, np.int64))
+        rows = np.asarray(rows, np.int64)
+        self._place(words[:, 0], rows)
+        self._mapped[rows] = True
         self._live += n
 
     def _place(self, k0: np.ndarray, rows: np.ndarray) -> None:
