@@ -136,6 +136,27 @@ def test_recompute_bound_target_compares_throughput_with_what_hits_alone_allow()
     assert short["value"] == 0.9 and not short["met"]
 
 
+def test_decode_aware_bound_keeps_the_decode_only_time_fixed():
+    base = {"config": "baseline", "concurrency": 8, "throughput_req_s": 1.0, "ttft_p50_ms": 100.0,
+            "hit_rate": 0.2, "tokens_recomputed": 30_000, "wall_s": 100.0, "prompt_wait_s": 60.0}
+    ours = dict(base, config="strata-l1l2", tokens_recomputed=20_000, hit_rate=0.5)
+    # 60 s with a prompt waiting shrink to 40 s, 40 s of decode only stay: 100 / 80 = 1.25x at most
+    for req_s, value in ((1.25, 1.0), (1.125, 0.9)):
+        checks = serve.ratios([base, dict(ours, throughput_req_s=req_s)], 0.5)
+        c = next(c for c in checks if "decode-only time fixed" in c["target"])
+        assert c["target"].startswith("throughput vs baseline / recompute bound, decode-only time fixed (1.250;")
+        assert c["value"] == value and c["met"] == (value >= 0.95)
+
+
+def test_prompt_wait_is_the_union_of_the_times_before_first_tokens():
+    turns = build_turns([req(0, (1,)), req(1, (2,)), req(2, (3,))], Scaling(64), ALLOWED)
+    rec = serve.Record(turns)
+    for i, (start, ttft) in enumerate(((0.0, 2000), (1.0, 2000), (5.0, 500))):
+        rec.started[i] = start
+        rec.results[i] = Result(ttft, ttft + 100, 4, {})
+    assert serve.prompt_wait_s(rec) == pytest.approx(3.5)  # [0, 3] and [5, 5.5]
+
+
 def test_timestamp_replay_sends_on_scaled_trace_time():
     turns = build_turns([req(0, (1,)), req(400, (2,))], Scaling(64), ALLOWED)
     ep = FakeEndpoint()
