@@ -12,15 +12,15 @@ from typing import Iterator
 
 import redis
 
+from kvstrata.tools import serving
+
 REDIS = shutil.which("redis-server")
 
 
 def free_port(bus: bool = False) -> int:
     """A free loopback port; with ``bus``, one whose cluster bus port (+10000) is free too."""
     if not bus:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        return serving.free_port()  # below the ephemeral range: see serving.free_port
     import random
 
     for _ in range(200):

@@ -7,6 +7,7 @@ The unit tests need no engine. The smoke test runs the command on vLLM with the 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstrata.tools import serving
 from kvstrata.tools.bench import serve
 from kvstrata.tools.bench.serve_engines import Result
 from kvstrata.tools.bench.serve_workload import Scaling, block_tokens, build_turns, select, simulate_reference
@@ -202,3 +204,14 @@ def test_bench_serve_on_vllm_reports_every_config_and_kvstrata_hits(model, tmp_p
     assert {t["target"] for t in out["targets"]} >= {"throughput vs baseline", "served fraction vs 0.9 x simulate"}
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "%|" in res.stderr  # the progress bar
+
+
+def test_free_port_is_below_the_ephemeral_range_and_free():
+    """Engine servers bind ephemeral ports of their own (torch.distributed, gloo) while they
+    start: a port picked with bind(0) can be taken by one of them before the HTTP server binds it."""
+    low = serving._ephemeral_range()[0]
+    for _ in range(20):
+        port = serving.free_port()
+        assert port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+
+from kvstrata.tools import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIMS = ROOT / "tests" / "engines" / "sglang_shims"
@@ -45,9 +46,7 @@ def _ids(seed: int, n: int = 600) -> list[int]:
 
 # ============================================================================ real server
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return serving.free_port()  # below the ephemeral range: see serving.free_port
 
 
 def write_config(path: Path, l2: Path, *, v1: bool = True, **extra: Any) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,8 +31,32 @@ CPU_ENV = {
 }
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port below the ephemeral range. A port from bind(("", 0)) is ephemeral:
+    once released, the kernel can hand it to the next bind(0) of any process, and the engine
+    servers bind such ports themselves (torch.distributed's store, gloo) between our pick and
+    their HTTP bind: an SGLang server lost its port to its own scheduler that way. Explicit
+    ports below the range are only ever taken by someone asking for that very port."""
+    low = _ephemeral_range()[0]
+    floor = 10000 if low > 12000 else 1024
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(floor, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded machine: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
