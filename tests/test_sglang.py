@@ -45,10 +45,6 @@ def _ids(seed: int, n: int = 600) -> list[int]:
 
 
 # ============================================================================ real server
-def _free_port() -> int:
-    return serving.free_port()  # below the ephemeral range: see serving.free_port
-
-
 def write_config(path: Path, l2: Path, *, v1: bool = True, **extra: Any) -> Path:
     cfg = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
            "class_name": "StrataStorage", "interface_v1": int(v1),
@@ -63,7 +59,7 @@ class Server:
 
     def __init__(self, model: str, config: Path, log: Path, layout: str = "layer_first") -> None:
         self.config, self.layout = config, layout
-        self.port = _free_port()
+        self.port = serving.free_port()  # below the ephemeral range
         self.log_path = log
         env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
                    PYTHONPATH=str(SHIMS), TORCH_EXTENSIONS_DIR=str(ROOT / ".cache" / "sglang" / "torch_extensions"),

@@ -87,7 +87,7 @@ class KeyMap:
         mapped = getattr(self, "_mapped", None)
         if mapped is not None and len(mapped) != len(keys):  # the table grew: rows keep their flag
             self._mapped = np.zeros(len(keys), np.bool_)
-            self._mapped[: min(len(mapped), len(keys))] = mapped[: len(keys)]
+            self._mapped[: len(mapped)] = mapped
 
     def __len__(self) -> int:
         return self._live
