@@ -6,6 +6,8 @@ The unit tests need no engine. The smoke test runs the command on vLLM with the 
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import socket
 import subprocess
@@ -148,6 +150,29 @@ def test_decode_aware_bound_keeps_the_decode_only_time_fixed():
         c = next(c for c in checks if "decode-only time fixed" in c["target"])
         assert c["target"].startswith("throughput vs baseline / recompute bound, decode-only time fixed (1.250;")
         assert c["value"] == value and c["met"] == (value >= 0.95)
+
+
+def test_hicache_is_a_reference_row_and_a_target_for_kvstrata():
+    def row(config: str, req_s: float, recomputed: int) -> dict:
+        return {"config": config, "concurrency": 16, "throughput_req_s": req_s, "ttft_p50_ms": 100.0,
+                "hit_rate": 0.5, "tokens_recomputed": recomputed}
+
+    for ours, met in ((0.96, True), (0.9, False)):  # against SGLang's host pool alone at 1.2 req/s
+        checks = serve.ratios([row("baseline", 1.0, 30_000), row("hicache", 1.2, 20_000),
+                               row("strata-l1l2", ours * 1.2, 20_000)], 0.5)
+        ref = [c for c in checks if c["config"] == "hicache"]
+        assert [c["target"] for c in ref] == ["throughput vs baseline / recompute bound (1.500)"]
+        assert ref[0]["value"] == 0.8 and ref[0]["met"] is None  # reported, never judged
+        vs = next(c for c in checks if c["target"].startswith("throughput vs hicache"))
+        assert vs["config"] == "strata-l1l2" and vs["value"] == round(ours, 3) and vs["met"] is met
+
+
+def test_hicache_config_is_refused_for_vllm(tmp_path):
+    args = argparse.Namespace(configs="baseline,hicache", engine="vllm", redis_url=None)
+    with pytest.raises(SystemExit, match="hicache runs with SGLang only"):
+        serve._configs(args)
+    assert serve._configs(argparse.Namespace(configs="strata-l1l2,hicache,baseline", engine="sglang",
+                                             redis_url=None)) == ["baseline", "hicache", "strata-l1l2"]
 
 
 def test_prompt_wait_is_the_union_of_the_times_before_first_tokens():

@@ -24,7 +24,9 @@ from ..redis_server import redis_server
 from ..serving import Server, cached_by_source, free_port, listening, stream, vllm_command
 from . import ttft
 
-CONFIGS = ("baseline", "strata-l1l2", "strata-remote", "peer", "lmcache")
+CONFIGS = ("baseline", "hicache", "strata-l1l2", "strata-remote", "peer", "lmcache")
+# SGLang only: HiCache's host pool with no storage backend, what SGLang's own hierarchy gives
+SGLANG_ONLY = ("hicache",)
 
 
 class Settings(NamedTuple):
@@ -183,7 +185,7 @@ def _vllm(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(s.lmcache_dir), os.environ.get("PYTHONPATH")]))
         kv = ttft.lmcache_transfer_config(stack.enter_context(_lmcache_server(s, folder, env)))
     elif config != "baseline":
-        raise ValueError(f"unknown config {config!r}")
+        raise ValueError(f"config {config!r} is not available with vLLM")
     port = free_port()
     extra = ["--num-gpu-blocks-override", str(s.device_tokens // s.block_tokens),
              "--max-model-len", str(s.max_model_len), "--max-num-batched-tokens", str(s.max_batched_tokens),
@@ -221,7 +223,7 @@ def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack)
     elif config == "peer":
         env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(folder / "peer")
         args += ["--hicache-storage-backend", "file"]
-    elif config != "baseline":
+    elif config not in ("baseline", "hicache"):
         raise ValueError(f"config {config!r} is not available with SGLang")
     server = stack.enter_context(sg.SGLangServer(python, args, folder / "server.log", env,
                                                  start_timeout=s.start_timeout,
