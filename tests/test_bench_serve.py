@@ -7,7 +7,6 @@ The unit tests need no engine. The smoke test runs the command on vLLM with the 
 from __future__ import annotations
 
 import argparse
-
 import json
 import socket
 import subprocess
@@ -167,7 +166,7 @@ def test_hicache_is_a_reference_row_and_a_target_for_kvstrata():
         assert vs["config"] == "strata-l1l2" and vs["value"] == round(ours, 3) and vs["met"] is met
 
 
-def test_hicache_config_is_refused_for_vllm(tmp_path):
+def test_hicache_config_is_refused_for_vllm():
     args = argparse.Namespace(configs="baseline,hicache", engine="vllm", redis_url=None)
     with pytest.raises(SystemExit, match="hicache runs with SGLang only"):
         serve._configs(args)
