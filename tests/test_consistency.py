@@ -16,15 +16,18 @@ from conftest import (BLOCK_BYTES, BLOCK_SIZE, load_hit, make_config, payload_fo
 from kvstrata.epochs import FileEpochs
 from kvstrata.index import BlockIndex, EntryMeta
 from kvstrata.keys import chain_keys, root_key
-from kvstrata.store import BlockStore
+from kvstrata.store import BlockStore, recovery
 
 
 # ------------------------------------------------------------ epochs that only move forward
-def test_epoch_state_loss_never_makes_invalidated_blocks_valid_again(tmp_path, ns):
+def test_epoch_state_loss_never_makes_invalidated_blocks_valid_again(tmp_path, ns, monkeypatch):
     """Scenario: a prompt is stored on disk, the namespace is invalidated (a weight update or a
     reset), and then the epoch state is lost: the L2 folder's epochs/ is deleted. A fresh store
     on the same folder must not serve the invalidated blocks. (A counter restarted at 0, the
-    epoch those blocks were written under.)"""
+    epoch those blocks were written under.) The fresh store's background recovery is held
+    before its reclaim of older epochs, which would delete the blocks and make the miss vacuous
+    (it did, 2 runs in 60, before the hold)."""
+    monkeypatch.setattr(recovery, "PAUSE_S", 60.0)  # close() stops the wait at once
     tokens = random_tokens("p", 3 * BLOCK_SIZE)
     with BlockStore(make_config(tmp_path)) as writer:
         store_prompt(writer, ns, tokens)
