@@ -105,6 +105,14 @@ def scrape_until(server: Server, ready) -> str:  # type: ignore[no-untyped-def]
     return text
 
 
+def wait_for_files(blocks: Path, n: int, timeout_s: float = 30) -> int:
+    """Block files under ``blocks`` once there are ``n`` of them (or after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (found := len(list(blocks.glob("*/*.kvb")))) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 def config(tmp: Path) -> Path:
     path = tmp / "kvstrata.yaml"
     path.write_text(f"l1:\n  size: 128MiB\nl2:\n  path: {tmp / 'l2'}\n")
@@ -203,10 +211,16 @@ def test_a_hit_announces_nothing_new_and_a_connector_reset_removes_every_block(s
 
 
 def test_after_a_restart_a_disk_hit_is_announced_on_disk(model, tmp_path):
+    """The first server stops once the prompt's blocks are on disk: L2 is written on a save
+    thread, and a stopped vLLM kills its engine process before the connector's shutdown (which
+    would write out queued saves) runs, so a stop right after the request can lose them (whole
+    blocks, never parts). CI hit that window once."""
     cfg, events = config(tmp_path), Events()
     try:
         with start(model, cfg, events, tmp_path / "vllm-1.log") as server:
             complete(server, model, PROMPT, max_tokens=1)
+            on_disk = wait_for_files(tmp_path / "l2" / "blocks", FULL + 2)  # and both tails
+        assert on_disk == FULL + 2
         events.drain(0.5)
         with start(model, cfg, events, tmp_path / "vllm-2.log") as server:
             before = scrape_until(server, lambda t: series(t, "kvstrata_hit_tokens_total", tier="l2") > 0)  # SHORT's
