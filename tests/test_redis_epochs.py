@@ -18,6 +18,7 @@ import redis
 import redisutil
 from kvstrata import BlockStore, Namespace
 from kvstrata.config import load_config
+from kvstrata.store import recovery
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
 
@@ -97,9 +98,11 @@ def test_redis_restart_without_persistence_never_revives_an_invalidated_epoch(tm
     assert hits(tmp_path, "writer", url) == 0
 
 
-def test_flushdb_never_revives_an_invalidated_epoch_from_local_disk(tmp_path, server):
+def test_flushdb_never_revives_an_invalidated_epoch_from_local_disk(tmp_path, server, monkeypatch):
     """Scenario: FLUSHDB after an invalidation; the writer's own disk still holds the old
-    blocks. A restart of the writer on that disk loads none of them."""
+    blocks. A restart of the writer on that disk loads none of them. (Its recovery is held
+    before the reclaim of older epochs, which would delete them and make the miss vacuous.)"""
+    monkeypatch.setattr(recovery, "PAUSE_S", 60.0)  # close() stops the wait at once
     url, _, _ = server
     with open_store(tmp_path, "writer", url) as writer:
         store_prompt(writer)
