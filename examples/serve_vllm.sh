@@ -15,7 +15,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
   EXTRA=(--enforce-eager)
 fi
+# --shutdown-timeout: on SIGTERM vLLM then shuts the connector down, which writes out queued saves.
 # vllm-cpu's distribution is not named "vllm", so its `vllm` console script fails: use the module.
 exec "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$PORT" \
-  --block-size "${BLOCK_SIZE:-128}" --enable-prompt-tokens-details "${EXTRA[@]}" \
+  --block-size "${BLOCK_SIZE:-128}" --enable-prompt-tokens-details --shutdown-timeout 30 "${EXTRA[@]}" \
   --kv-transfer-config "{\"kv_connector\":\"StrataConnector\",\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{\"config_file\":\"$CONFIG\"}}"
