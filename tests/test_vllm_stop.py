@@ -14,30 +14,18 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from kvstrata.tools.serving import Server, complete, free_port, strata_transfer_config, vllm_command  # noqa: E402
+from test_vllm import model  # noqa: E402,F401  (the fixture)
 
-ROOT = Path(__file__).resolve().parents[1]
 BS = 32
 _RNG = random.Random(5)
 PROMPT = [_RNG.randrange(10, 3000) for _ in range(2000)]  # 62 full blocks and a 16-token tail
 BLOCKS = len(PROMPT) // BS + 1
-
-
-@pytest.fixture(scope="module")
-def model() -> str:
-    out = ROOT / ".cache" / "models" / "tiny"
-    if not (out / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "examples" / "make_tiny_model.py"), str(out),
-                        "--preset", "tiny"], check=True)
-    return str(out)
 
 
 def test_sigterm_with_a_shutdown_timeout_closes_the_store_and_keeps_every_queued_save(model, tmp_path):
