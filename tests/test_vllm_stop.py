@@ -41,5 +41,5 @@ def test_sigterm_with_a_shutdown_timeout_closes_the_store_and_keeps_every_queued
         server.proc.wait(timeout=60)
     # The usage summary is written by the disk tier's close, the last step of the store's close:
     # the connector's shutdown ran to its end, after the queued saves were written.
-    assert (tmp_path / "l2" / "usage").exists(), Server.tail(server)
+    assert (tmp_path / "l2" / "usage").exists(), server.tail()
     assert len(list((tmp_path / "l2" / "blocks").glob("*/*.kvb"))) == BLOCKS
