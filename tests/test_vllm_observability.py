@@ -213,8 +213,8 @@ def test_a_hit_announces_nothing_new_and_a_connector_reset_removes_every_block(s
 def test_after_a_restart_a_disk_hit_is_announced_on_disk(model, tmp_path):
     """The first server stops once the prompt's blocks are on disk: L2 is written on a save
     thread, and ``Server`` stops vLLM as Ctrl-C does (SIGINT to the group), which kills the
-    engine before the connector's shutdown writes out queued saves (test_vllm_stop.py has the
-    stop that keeps them). CI once stopped it inside that window."""
+    engine before the connector's shutdown writes out queued saves (README, vLLM section). CI once
+    stopped it inside that window."""
     cfg, events = config(tmp_path), Events()
     try:
         with start(model, cfg, events, tmp_path / "vllm-1.log") as server:
