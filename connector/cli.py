@@ -127,11 +127,23 @@ def invalidate(args: argparse.Namespace) -> int:
             return 2
         if not wanted:
             print("no namespaces stored: nothing to invalidate")
+        failed = []
         for ns_id, (seed, ns) in wanted.items():
-            print(f"{ns_id}: new generation {store.invalidate(seed):016x}")
+            generation = store.invalidate(seed)
+            if generation is None:
+                failed.append(ns_id)
+                print(f"{ns_id}: NOT invalidated: the new generation could not be written to the shared tier",
+                      file=sys.stderr)
+            else:
+                print(f"{ns_id}: new generation {generation:016x}")
             if ns is not None:
                 print(f"    model {ns.model}, weights {ns.model_version}, dtype {ns.kv_dtype}, "
                       f"tenant {ns.tenant or '-'}")
+    if failed:
+        print(f"kvstrata invalidate: {len(failed)} of {len(wanted)} namespace(s) not invalidated "
+              f"({', '.join(failed)}); other instances keep serving them: run it again once the shared tier answers",
+              file=sys.stderr)
+        return 1
     return 0
 
 

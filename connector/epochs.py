@@ -1,8 +1,8 @@
-"""epochs.py: namespace epochs (``EpochStore``: ``get``, ``bump``; ``MemoryEpochs``, ``FileEpochs``)
-and ``Retired``, the generations seen replaced. Bumping an epoch hides every older entry of that
+"""epochs.py: namespace epochs (``EpochStore``: ``get``, ``lookup_generation``, ``bump``;
+``MemoryEpochs``; ``PolledEpochs``, the rules of generations other processes change) and
+``Retired``, the generations seen replaced. Bumping an epoch hides every older entry of that
 namespace at once. Each store also keeps the namespaces' descriptors (``describe``, ``descriptor``;
-see ``describe.py``) beside the generations. (Over 300 lines: the rules below and the two stores
-here that follow them, most of it ``FileEpochs`` on a folder other processes write too.)
+see ``describe.py``) beside the generations.
 
 An epoch is a *generation*: a random non-zero 64-bit id, not a counter. The current generation is
 part of block -1's key (see keys.root_key), so after a bump no key of an older generation is ever
@@ -22,25 +22,31 @@ taken before a bump). Every store therefore remembers the generations it has see
 retired generation read back as lost state: it is replaced by a fresh one.
 
 Where the generation lives decides who sees a bump: ``MemoryEpochs`` (this process),
-``FileEpochs`` (every process sharing a folder: one small file per namespace, replaced atomically,
-checked with one stat() per lookup), ``RedisEpochs`` in ``tiers/redis_epochs.py`` (every instance sharing
-the Redis).
+``FileEpochs`` in ``tiers/file_epochs.py`` (every process sharing a folder: one small file per
+namespace, replaced atomically), ``RedisEpochs`` in ``tiers/redis_epochs.py`` (every instance
+sharing the Redis). The last two are ``PolledEpochs``: an instance that cannot read the shared
+state cannot know of a bump made elsewhere, so a generation is used by lookups only within a bound
+of its last confirmation, and a bump that could not be written serves nothing until it is.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import stat
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from .describe import MAX_BYTES as _MAX_DESCRIPTOR, SUFFIX as _DESCRIPTOR_SUFFIX
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 MAX_GENERATION = (1 << 64) - 1
 _MAX_GENERATION_TEXT = 64  # a generation is at most 20 digits; whitespace around it is allowed
 _KEEP_RETIRED = 64  # generations remembered per namespace; a restore older than that goes unseen
@@ -72,7 +78,7 @@ def parse_generation(raw: object) -> int | None:
     return value if 0 < value <= MAX_GENERATION else None
 
 
-def _read_head(path: Path, limit: int) -> bytes:
+def read_head(path: Path, limit: int) -> bytes:
     """The first ``limit`` bytes of a regular file, never following a symlink or waiting on a
     FIFO (a planted one would hang the engine's start); anything else raises ``OSError``."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -108,7 +114,7 @@ class Retired:
             path = self._file(ns_seed)
             if path is not None:
                 try:
-                    text = _read_head(path, 32 * _KEEP_RETIRED).decode("ascii", errors="replace")
+                    text = read_head(path, 32 * _KEEP_RETIRED).decode("ascii", errors="replace")
                 except OSError:
                     text = ""
                 for line in text.splitlines()[-_KEEP_RETIRED:]:
@@ -133,17 +139,17 @@ class Retired:
                 return
             text = "".join(f"{g}\n" for g in ids)
         try:
-            _write_atomic(path, text, self._mode)
+            write_atomic(path, text, self._mode)
         except OSError as e:  # the floor is a second line of defence: never fail a lookup on it
             log.warning("kvstrata epochs: cannot record retired generation in %s: %s", path, e)
 
 
-def _temp_name(path: Path, suffix: str) -> Path:
+def temp_name(path: Path, suffix: str) -> Path:
     # random part: hosts sharing the folder may run writers with the same pid and thread id
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{suffix}")
 
 
-def _write_new(tmp: Path, text: str, mode: int) -> None:
+def write_new(tmp: Path, text: str, mode: int) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         os.fchmod(fd, mode)  # exact bits, whatever the umask
@@ -152,10 +158,10 @@ def _write_new(tmp: Path, text: str, mode: int) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    tmp = _temp_name(path, "tmp")
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    tmp = temp_name(path, "tmp")
     try:
-        _write_new(tmp, text, mode)
+        write_new(tmp, text, mode)
         os.replace(tmp, path)  # replaces a planted link or FIFO itself, never what it points to
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -167,7 +173,7 @@ def read_descriptor(root: Path, ns_seed: bytes) -> bytes | None:
     limit, so that an oversized one shows): None if there is none, ``b""`` if what is there is
     not a readable regular file (a planted link, FIFO or folder)."""
     try:
-        return _read_head(root / f"{ns_seed.hex()}{_DESCRIPTOR_SUFFIX}", _MAX_DESCRIPTOR + 1)
+        return read_head(root / f"{ns_seed.hex()}{_DESCRIPTOR_SUFFIX}", _MAX_DESCRIPTOR + 1)
     except FileNotFoundError:
         return None
     except OSError:
@@ -177,7 +183,7 @@ def read_descriptor(root: Path, ns_seed: bytes) -> bytes | None:
 def write_descriptor(root: Path, ns_seed: bytes, blob: bytes, mode: int) -> None:
     """Replace the descriptor file atomically, unless it already holds ``blob``. Raises OSError."""
     if read_descriptor(root, ns_seed) != blob:  # every instance describes at start: write once
-        _write_atomic(root / f"{ns_seed.hex()}{_DESCRIPTOR_SUFFIX}", blob.decode("ascii"), mode)
+        write_atomic(root / f"{ns_seed.hex()}{_DESCRIPTOR_SUFFIX}", blob.decode("ascii"), mode)
 
 
 class EpochStore(ABC):
@@ -185,11 +191,22 @@ class EpochStore(ABC):
 
     @abstractmethod
     def get(self, ns_seed: bytes) -> int:
-        """Current generation of a namespace, created (atomically) if there is none."""
+        """Current generation of a namespace, created (atomically) if there is none: the one
+        saves are keyed under."""
+
+    def lookup_generation(self, ns_seed: bytes, since: float) -> tuple[int, bool]:
+        """The generation for a lookup that started at ``since`` (``time.monotonic()``), and
+        whether the lookup may use it: False when this store cannot vouch that it was still
+        current ``bound`` before ``since`` (see ``PolledEpochs``); the lookup is then a miss.
+        Stores only this process changes always vouch."""
+        return self.get(ns_seed), True
 
     @abstractmethod
-    def bump(self, ns_seed: bytes) -> int:
-        """Replace the generation by a fresh one; returns it."""
+    def bump(self, ns_seed: bytes) -> int | None:
+        """Replace the generation by a fresh one; returns it, or None when it could not be
+        written where the other processes read it. After a failed bump the namespace serves
+        nothing (``lookup_generation`` says False) until the new generation is written, which
+        is retried at every use."""
 
     def known(self) -> list[bytes]:
         """Namespace seeds this store has a generation for."""
@@ -206,6 +223,156 @@ class EpochStore(ABC):
 
     def close(self) -> None:
         """Stop background work (subscribers); generations already written stay."""
+
+
+class PolledEpochs(EpochStore):
+    """Generations kept where other processes change them (a folder, Redis), each used by
+    lookups only while *confirmed*: read back from there recently enough.
+
+    ``get`` re-reads a namespace's generation when the last read is ``refresh_s`` old (or an
+    announcement said it changed). Each read is stamped with the monotonic time at which it was
+    *sent*: what it returns was current at some moment after that. A lookup that started at
+    ``since`` may use the generation only if ``since - sent <= bound_s``; a generation retired at
+    time T is therefore never used by a lookup that starts after ``T + bound_s``, however slow
+    the reply was or however long this process was descheduled (a late reply carries its early
+    stamp). While the shared state cannot be read (down, hung, timing out) lookups miss once the
+    last confirmation is ``bound_s`` old: an unreachable tier costs hits, never a retired
+    generation. ``bound_s`` None is the lenient policy: the last known generation is used however
+    old its confirmation (it risks serving a generation retired elsewhere meanwhile).
+
+    A bump retires the old generation here at once and marks the namespace *pending* until the
+    new one is written: until then lookups miss, and every ``get`` retries the write. Saves meanwhile
+    go under the new generation, computed after the reset, so they become valid when the write
+    lands.
+
+    Subclasses say how the generation is read (``_read``: creating or repairing it as needed),
+    written (``_write``) and announced (``_announce``), and which failures are the service's
+    (``_attempt``: the call's result, or ``default`` after a failure it has logged).
+    """
+
+    def __init__(self, retired: Retired, refresh_s: float, bound_s: float | None) -> None:
+        self.retired = retired
+        self._refresh_s, self._bound_s = refresh_s, bound_s
+        self._lock = threading.Lock()
+        self._reading = threading.Lock()  # one read or write of the shared state at a time
+        self._known: dict[bytes, tuple[int, float]] = {}  # seed -> (generation, when its read was sent)
+        self._pending: dict[bytes, int] = {}  # seed -> a bumped generation not written yet
+        self._recheck: set[bytes] = set()  # announced changes: re-read at the next use
+        self._private: dict[bytes, int] = {}  # never confirmed: saves nobody else can see
+
+    @abstractmethod
+    def _read(self, ns_seed: bytes) -> int | None:
+        """The stored generation (created if missing, replaced if bad or retired); None if no
+        stable value could be read. Raises what ``_attempt`` turns into a failure."""
+
+    @abstractmethod
+    def _write(self, ns_seed: bytes, gen: int) -> None:
+        """Store ``gen`` as the namespace's generation. Raises what ``_attempt`` turns into a failure."""
+
+    def _announce(self, ns_seed: bytes) -> None:
+        """Tell the other processes at once (best effort: they re-read within ``refresh_s``)."""
+
+    @abstractmethod
+    def _attempt(self, fn: Callable[[], T], default: T) -> T:
+        """``fn()``, or ``default`` when the service failed (logged and counted here)."""
+
+    def _remember(self, ns_seed: bytes, gen: int, sent: float) -> None:
+        if (ns_seed, gen) in self.retired:  # a read that raced a bump of this process
+            return
+        with self._lock:
+            previous = self._known.get(ns_seed)
+            if ns_seed in self._pending or (previous is not None and previous[1] > sent):
+                return  # a bump in flight, or a read sent later, wins
+            self._known[ns_seed] = (gen, sent)
+            self._private.pop(ns_seed, None)
+        if previous is not None and previous[0] != gen:
+            self.retired.add(ns_seed, previous[0])
+
+    def _due(self, ns_seed: bytes, fresh_since: float) -> tuple[bool, int | None]:
+        """Whether the namespace must be re-read now (its last read was sent before
+        ``fresh_since``, or an announcement came), and its pending bump if any."""
+        with self._lock:
+            known = self._known.get(ns_seed)
+            due = known is None or known[1] < fresh_since or ns_seed in self._recheck
+            return due, self._pending.get(ns_seed)
+
+    def _current(self, ns_seed: bytes) -> tuple[int, float] | None:
+        """(generation, when its confirming read was sent), re-read or its pending bump written
+        when due; None if it was never read. One thread reads at a time: the others wait for its
+        answer, and take it if it is fresh for them (sent at most ``refresh_s`` before they came)
+        instead of sending the same read (a slow tier sees one read, not one per thread)."""
+        came = time.monotonic()
+        due, pending = self._due(ns_seed, came - self._refresh_s)
+        if due or pending is not None:
+            with self._reading:
+                due, pending = self._due(ns_seed, came - self._refresh_s)  # read meanwhile by another thread?
+                if pending is not None:
+                    self._complete(ns_seed, pending)
+                elif due:
+                    with self._lock:
+                        self._recheck.discard(ns_seed)
+                    sent = time.monotonic()
+                    gen = self._attempt(lambda: self._read(ns_seed), None)
+                    if gen is not None:
+                        self._remember(ns_seed, gen, sent)
+        with self._lock:
+            return self._known.get(ns_seed)
+
+    def get(self, ns_seed: bytes) -> int:
+        current = self._current(ns_seed)
+        if current is not None:
+            return current[0]
+        with self._lock:
+            return self._private.setdefault(ns_seed, new_generation())
+
+    def lookup_generation(self, ns_seed: bytes, since: float) -> tuple[int, bool]:
+        current = self._current(ns_seed)
+        if current is None:
+            return self.get(ns_seed), False
+        gen, sent = current
+        if sent == -math.inf:  # a bump not written yet: nothing of the namespace is served
+            return gen, False
+        return gen, self._bound_s is None or since - sent <= self._bound_s
+
+    def bump(self, ns_seed: bytes) -> int | None:
+        with self._lock:
+            old = self._known.get(ns_seed)
+        if old is None:  # learn what is being retired, so that a restore of it is refused too
+            old = self._current(ns_seed)
+        gen = new_generation()
+        with self._lock:
+            self._pending[ns_seed] = gen
+            self._known[ns_seed] = (gen, -math.inf)  # not confirmed until written
+        if old is not None:
+            self.retired.add(ns_seed, old[0])
+        return gen if self._complete(ns_seed, gen) else None
+
+    def _complete(self, ns_seed: bytes, gen: int) -> bool:
+        """Write a pending bump; True once it is written (by this call or an earlier one)."""
+        sent = time.monotonic()
+        if not self._attempt(lambda: self._write(ns_seed, gen) or True, False):
+            return False
+        with self._lock:
+            if self._pending.get(ns_seed) != gen:
+                return True  # written meanwhile by another thread, or bumped again
+            del self._pending[ns_seed]
+            self._known[ns_seed] = (gen, sent)
+        self._announce(ns_seed)
+        return True
+
+    def write_pending(self) -> None:
+        """Try again to write the bumps that could not be written (a thread that watches the
+        shared tier calls it, so that a reset lands when the tier is back, requests or not)."""
+        with self._lock:
+            pending = list(self._pending)
+        for ns_seed in pending:
+            self._current(ns_seed)
+
+    def changed(self, ns_seed: bytes) -> None:
+        """An announcement: re-read that namespace at its next use. It never sets a generation,
+        so a forged or late one costs a read, nothing more."""
+        with self._lock:
+            self._recheck.add(ns_seed)
 
 
 class MemoryEpochs(EpochStore):
@@ -239,129 +406,3 @@ class MemoryEpochs(EpochStore):
     def descriptor(self, ns_seed: bytes) -> bytes | None:
         with self._lock:
             return self._descriptors.get(ns_seed)
-
-
-class FileEpochs(EpochStore):
-    """``<root>/<seed hex>``: the generation as decimal text, re-read only when stat() changes.
-
-    A missing file is created with ``link()`` of a complete temp file, which fails if another
-    process created it first (no locks: NFS has none), so concurrent creators agree. Two
-    concurrent bumps both replace the file; the last one wins, and both hide every older entry,
-    which is all a bump has to do. A file that does not hold a valid generation, or holds a
-    retired one, is lost state and is replaced by a fresh generation.
-    """
-
-    def __init__(self, root: Path, modes: tuple[int, int] = (0o700, 0o600)) -> None:
-        """``modes``: of the folder (if created here) and of the files written; a shared folder
-        passes its group bits so that every instance of the group can read and replace them."""
-        self._root = root
-        self._file_mode = modes[1]
-        from .tiers.folder import make_folder  # here: the tiers package imports this module
-
-        make_folder(root, modes[0])  # concurrent creators are fine; an existing folder keeps its mode
-        self._lock = threading.Lock()
-        self._cache: dict[bytes, tuple[tuple[int, int, int], int]] = {}
-        self._private: dict[bytes, int] = {}
-        self.retired = Retired(root, modes[1])
-
-    def _path(self, ns_seed: bytes) -> Path:
-        return self._root / ns_seed.hex()
-
-    def get(self, ns_seed: bytes) -> int:
-        """Never raises: a namespace whose file cannot be read or written (a planted folder, a
-        read-only or full disk) gets a generation private to this process, so its blocks are
-        misses for everyone else and nothing older becomes valid."""
-        try:
-            gen = self._get(ns_seed)
-        except OSError as e:
-            with self._lock:
-                private = self._private.get(ns_seed)
-                if private is None:
-                    private = self._private[ns_seed] = new_generation()
-                    log.warning("kvstrata epochs: %s; namespace %s uses a generation private to this "
-                                "process (no sharing of its blocks until this is fixed)", e, ns_seed.hex())
-            return private
-        with self._lock:
-            self._private.pop(ns_seed, None)
-        return gen
-
-    def _get(self, ns_seed: bytes) -> int:
-        path = self._path(ns_seed)
-        for _ in range(8):  # a concurrent create or replace: read again
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                self._create(path)
-                continue
-            if not stat.S_ISREG(st.st_mode):  # a planted link, FIFO or folder is lost state
-                log.warning("kvstrata epochs: %s is not a regular file; starting a new generation", path)
-                self._replace(ns_seed, None)
-                continue
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-            cached = self._cache.get(ns_seed)
-            if cached and cached[0] == stamp:
-                return cached[1]
-            try:
-                raw = _read_head(path, 64)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                log.warning("kvstrata epochs: cannot read %s: %s", path, e)
-                return cached[1] if cached else self._replace(ns_seed, None)
-            gen = parse_generation(raw)
-            if gen is None or (ns_seed, gen) in self.retired:
-                what = "a retired generation" if gen is not None else f"no valid generation ({raw[:32]!r})"
-                log.warning("kvstrata epochs: %s holds %s; starting a new generation "
-                            "(older blocks of this namespace become misses)", path, what)
-                self._replace(ns_seed, gen)
-                continue
-            with self._lock:
-                previous = self._cache.get(ns_seed)
-                self._cache[ns_seed] = (stamp, gen)
-            if previous and previous[1] != gen:
-                self.retired.add(ns_seed, previous[1])
-            return gen
-        raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable generation")
-
-    def _create(self, path: Path) -> None:
-        tmp = _temp_name(path, "new")
-        _write_new(tmp, f"{new_generation()}\n", self._file_mode)
-        try:
-            os.link(tmp, path)  # atomic create-if-absent: the first creator wins
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def _replace(self, ns_seed: bytes, old: int | None) -> int:
-        if old is not None:
-            self.retired.add(ns_seed, old)
-        gen = new_generation()
-        _write_atomic(self._path(ns_seed), f"{gen}\n", self._file_mode)
-        return gen
-
-    def bump(self, ns_seed: bytes) -> int:
-        old = self.get(ns_seed)
-        gen = self._replace(ns_seed, old)
-        with self._lock:
-            self._cache.pop(ns_seed, None)
-        return gen
-
-    def describe(self, ns_seed: bytes, blob: bytes) -> None:
-        try:
-            write_descriptor(self._root, ns_seed, blob, self._file_mode)
-        except OSError as e:
-            log.warning("kvstrata epochs: cannot record what namespace %s is in %s: %s", ns_seed.hex(), self._root, e)
-
-    def descriptor(self, ns_seed: bytes) -> bytes | None:
-        return read_descriptor(self._root, ns_seed)
-
-    def known(self) -> list[bytes]:
-        out = []
-        for p in self._root.iterdir():
-            if len(p.name) == 32 and not p.name.startswith("."):
-                try:
-                    out.append(bytes.fromhex(p.name))
-                except ValueError:
-                    pass
-        return out

@@ -75,6 +75,23 @@ def test_unwritable_path_fails_at_start(tmp_path):
     assert "l2.path" in msg and "writable" in msg and str(blocker) in msg
 
 
+@pytest.mark.parametrize("folder", ["/proc", "/proc/self/fd", "/proc/self/fd/sub"])
+def test_a_pseudo_filesystem_path_is_refused_by_the_check_and_by_the_store(tmp_path, folder):
+    """Scenario: l2.path on /proc (root may "write" there by its mode bits, yet nothing can be
+    created). The config check names the file, key and value; a store opened without the check
+    fails with an error naming the folder, never a RecursionError."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("no /proc on this machine")
+    path = write(tmp_path, f"l2:\n  path: {folder}\n")
+    msg = error_of(path)
+    assert str(path) in msg and "l2.path" in msg and folder in msg and "stores no files" in msg
+    from kvstrata.store import BlockStore
+
+    with pytest.raises(OSError) as e:
+        BlockStore(StrataConfig.model_validate({"l2": {"path": folder}}))
+    assert folder in str(e.value)
+
+
 def test_invalid_yaml_and_non_mapping(tmp_path):
     assert "not valid YAML" in error_of(write(tmp_path, "l1: [unclosed\n"))
     assert "expected a mapping" in error_of(write(tmp_path, "- just\n- a list\n"))

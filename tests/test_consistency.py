@@ -13,7 +13,7 @@ import torch
 
 from conftest import (BLOCK_BYTES, BLOCK_SIZE, load_hit, make_config, payload_for, payloads_for,
                       random_tokens, store_prompt)
-from kvstrata.epochs import FileEpochs
+from kvstrata.tiers import FileEpochs
 from kvstrata.index import BlockIndex, EntryMeta
 from kvstrata.keys import chain_keys, root_key
 from kvstrata.store import BlockStore, recovery

@@ -302,6 +302,8 @@ class StrataStorage(HiCacheStorage):
         if self.ns is None:
             return False
         epoch = self.store.invalidate(self.ns.seed)
+        if epoch is None:  # not written to the shared tier: logged and counted by the store
+            return False
         log.info("kvstrata: storage cleared, namespace %s now at generation %016x", self.ns.id, epoch)
         return True
 

@@ -369,7 +369,11 @@ class SchedulerSide:
 
     # -- control and stats
     def reset_cache(self) -> bool:
+        """False when the new generation could not be written to the shared tier (the store has
+        logged and counted it; this instance serves nothing of the namespace until it is)."""
         generation = self.store.invalidate(self.ns.seed)
+        if generation is None:
+            return False
         log.info("kvstrata: prefix cache reset, namespace %s now at generation %016x", self.ns.id, generation)
         return True
 

@@ -42,7 +42,10 @@ def _check_l2_folder(source: str, cfg: StrataConfig) -> None:
             problem = f"{found} is not writable"
         else:
             fs = os.statvfs(found)
-            problem = ""
+            # No blocks and no inodes: a kernel's pseudo-filesystem (/proc, /sys), where nothing
+            # can be created whatever the mode bits say.
+            problem = f"{found} is on a filesystem that stores no files (like /proc)" if not (
+                fs.f_blocks or fs.f_files) else ""
     except OSError as e:
         problem = f"{e.filename or path}: {e.strerror or e}"
     if problem:

@@ -100,6 +100,7 @@ class BlockStore:
         return self.lookups.chain(ns, tokens, extra, partial=partial)
 
     def current_epoch(self, ns: Namespace) -> int:
+        """The generation saves of ``ns`` go under (a lookup checks that it is confirmed)."""
         return self.parts.epochs.get(ns.seed)
 
     # ---------------------------------------------------------------- lookup
@@ -212,9 +213,19 @@ class BlockStore:
         return self.parts.saver.flush(timeout)
 
     # ------------------------------------------------- invalidation, gc, stats
-    def invalidate(self, ns_seed: bytes) -> int:
-        """Bump the namespace epoch: from now on no older entry is served. Returns the new epoch."""
+    def invalidate(self, ns_seed: bytes) -> int | None:
+        """Bump the namespace epoch: from now on no older entry is served. Returns the new epoch,
+        or None when it could not be written where the other instances read it (the shared tier
+        is unreachable): counted (``invalidation_failures``) and logged. This instance then serves
+        nothing of the namespace until the new generation is written (retried at every use);
+        the other instances go on with the old one until then."""
         epoch = self.parts.epochs.bump(ns_seed)
+        if epoch is None:
+            self.parts.counters.inc("invalidation_failures")
+            log.error("kvstrata: namespace %s could not be invalidated: the new generation was not written to "
+                      "the shared tier; this instance serves none of its blocks until it is (retried at every "
+                      "lookup), other instances keep serving the old generation until then", ns_seed[:8].hex())
+            return None
         self.parts.counters.inc("invalidations")
         log.info("kvstrata: namespace %s is now at generation %016x", ns_seed[:8].hex(), epoch)
         self.gc(only=[ns_seed])

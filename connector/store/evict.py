@@ -8,6 +8,7 @@ pinned: a reader holding a pin never has its block deleted, nor its slot or row 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from typing import Callable
 
@@ -172,7 +173,10 @@ class Evictor:
         p = self.p
         removed = Counter[str]()
         for seed in only or self.namespaces():
-            rows = p.index.stale_rows(seed, p.epochs.get(seed))
+            current, confirmed = p.epochs.lookup_generation(seed, time.monotonic())
+            if not confirmed:  # the shared tier does not answer: which generation is current is not known
+                continue
+            rows = p.index.stale_rows(seed, current)
             bits = p.index.tiers_of(np.array(rows, dtype=np.int64)).tolist() if rows else []
             for tier in tiers:
                 dropped = [m for row, b in zip(rows, bits) if b & tier.bit and (m := self.drop_from(tier, row))]

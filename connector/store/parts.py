@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import StrataConfig, check_fits_one_block
-from ..epochs import EpochStore, FileEpochs, MemoryEpochs
+from ..epochs import EpochStore, MemoryEpochs
 from ..index import BlockIndex
 from ..metrics import Counters
-from ..tiers import REMOTE_BACKENDS, BlockTier, DiskTier, MemoryTier
+from ..tiers import REMOTE_BACKENDS, BlockTier, DiskTier, FileEpochs, MemoryTier
 from .recovery import Recovery
 from .saver import Saver
 

@@ -45,7 +45,7 @@ class Hit(NamedTuple):
     """A validated stored prefix. ``chain`` lists the blocks to load, in order."""
 
     ns: Namespace
-    epoch: int
+    epoch: int  # the generation of the blocks; 0 (no generation) for a miss the epoch store could not vouch for
     chain: BlockChain
     tiers: list[int]  # tier bit set per block, at lookup time
     lease: int | None  # the pin of a pinned lookup, given back by ``complete_load``

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import RemoteConfig
-from ..epochs import EpochStore, FileEpochs
+from ..epochs import EpochStore
 from ..metrics import Counters
 from .base import BlockTier
 from .disk import DiskTier
+from .file_epochs import FileEpochs
 from .memory import MemoryTier
 from .sharedfs import SharedFsTier
 
@@ -29,7 +30,10 @@ def _redis(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[B
 
 def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[BlockTier, EpochStore]:
     tier = SharedFsTier(counters, cfg)
-    return tier, FileEpochs(tier.root / "epochs", tier.modes())  # the group shares the epochs too
+    # The group shares the epochs too; every host reads them, so they are confirmed like Redis's.
+    bound = None if cfg.allow_stale_generation else cfg.staleness_bound_s
+    return tier, FileEpochs(tier.root / "epochs", tier.modes(), shared=True,
+                            refresh_s=cfg.invalidation_ms / 1000, bound_s=bound)
 
 
 REMOTE_BACKENDS: dict[str, Callable[[Counters, RemoteConfig, Path | None], tuple[BlockTier, EpochStore]]] = {
@@ -37,4 +41,4 @@ REMOTE_BACKENDS: dict[str, Callable[[Counters, RemoteConfig, Path | None], tuple
     "fs": _fs,
 }
 
-__all__ = ["REMOTE_BACKENDS", "BlockTier", "DiskTier", "MemoryTier", "SharedFsTier"]
+__all__ = ["REMOTE_BACKENDS", "BlockTier", "DiskTier", "FileEpochs", "MemoryTier", "SharedFsTier"]

@@ -110,13 +110,19 @@ def make_folder(path: Path | str, mode: int) -> bool:
     """Create ``path`` (and missing parents) with ``mode``; True if this call created it.
     Another process creating it at the same time is not an error. Only a created folder gets
     ``mode`` set (``fchmod``, so the umask does not narrow it)."""
-    try:
-        os.mkdir(path, mode)
-    except FileExistsError:
-        return False
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        return make_folder(path, mode)
+    for attempt in range(2):
+        try:
+            os.mkdir(path, mode)
+            break
+        except FileExistsError:
+            return False
+        except FileNotFoundError as e:
+            # A missing parent: create it, once. If the folder still cannot be made (a filesystem
+            # that refuses it, such as /proc, or a parent removed again at once), say so.
+            if attempt:
+                raise FileNotFoundError(e.errno, f"cannot create the folder {path}: its parent exists, "
+                                                 f"but creating it fails with '{e.strerror}'") from e
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:
         fd = os.open(path, OPEN_DIR)
     except OSError:  # replaced by something else meanwhile: leave it to the checks that follow

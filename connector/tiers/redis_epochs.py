@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
+from typing import Callable
 
 from ..config import RemoteConfig
 from ..describe import MAX_BYTES as _MAX_DESCRIPTOR
-from ..epochs import EpochStore, Retired, new_generation, parse_generation, read_descriptor, write_descriptor
+from ..epochs import PolledEpochs, Retired, T, new_generation, parse_generation, read_descriptor, write_descriptor
 from .redis import RedisTier
 from .redis_client import connect, is_wrong_type, service_errors, shown
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 _EPOCH_BYTES = 64  # a generation is at most 20 digits; read no more than this of an epoch value
 
 
-class RedisEpochs(EpochStore):
+class RedisEpochs(PolledEpochs):
     """Namespace generations in Redis (see ``epochs``): ``SET NX`` creates, ``SET`` bumps, and a
     PUBLISH tells every instance to re-read at once.
 
@@ -33,13 +33,18 @@ class RedisEpochs(EpochStore):
     of another type, or a generation this instance (or its disk, the local floor) has seen replaced
     is replaced by a fresh generation with a compare-and-set, and counted (``remote_bad_epochs``,
     ``remote_wrong_type``, ``remote_epoch_rollbacks``). A value that changes under every repair
-    gives no generation (``remote_unstable_epochs``): the last known one is kept, as while Redis
-    is unreachable. Announcements carry only the namespace: they make the next ``get`` re-read
-    Redis, so a forged or delayed message can cost a round trip but never set a generation
-    (``remote_bad_messages`` counts those that name no namespace). ``get`` also re-reads a
-    namespace whose value is older than ``invalidation_ms``, which covers a missed message. While
-    Redis is unreachable the last known generation is used; a namespace never read gets a
-    process-local one (misses, and saves nobody else can see).
+    gives no generation (``remote_unstable_epochs``): a failed read. Announcements carry only the
+    namespace: they make the next use re-read Redis, so a forged or delayed message can cost a
+    round trip but never set a generation (``remote_bad_messages`` counts those that name no
+    namespace). A namespace is also re-read at its first use after ``invalidation_ms``, which
+    covers a missed message.
+
+    Lookups use a generation only within ``invalidation_ms + confirm_margin_ms`` of the read that
+    confirmed it (``PolledEpochs``): while Redis is unreachable, slow or hung, lookups miss once that
+    bound has passed (counted by the store as ``unconfirmed_generation_misses``), and hits resume
+    with the first read that succeeds (the breaker lets one through every ``breaker.reset_ms``,
+    doubling). ``allow_stale_generation`` restores the lenient policy. A namespace never read gets a
+    process-local generation (misses, and saves nobody else can see).
     """
 
     # Replace the value only if it still begins with what we read: two instances that both found
@@ -51,10 +56,9 @@ class RedisEpochs(EpochStore):
                "return redis.call('SET', KEYS[1], ARGV[2]) end return 0")
 
     def __init__(self, tier: RedisTier, cfg: RemoteConfig, floor: Path | None = None) -> None:
+        refresh_s = cfg.invalidation_ms / 1000
+        super().__init__(Retired(floor), refresh_s, None if cfg.allow_stale_generation else cfg.staleness_bound_s)
         self._tier, self._cfg = tier, cfg
-        self._lock = threading.Lock()
-        self._known: dict[bytes, tuple[int, float]] = {}
-        self.retired = Retired(floor)
         self._floor = floor
         self._channel = f"{cfg.key_prefix}:epochs"
         self._stop = threading.Event()
@@ -64,25 +68,8 @@ class RedisEpochs(EpochStore):
     def _key(self, ns_seed: bytes) -> str:
         return f"{self._cfg.key_prefix}:epoch:{ns_seed.hex()}"
 
-    def _remember(self, ns_seed: bytes, gen: int, at: float) -> int:
-        with self._lock:
-            previous = self._known.get(ns_seed)
-            self._known[ns_seed] = (gen, at)
-        if previous is not None and previous[0] != gen:
-            self.retired.add(ns_seed, previous[0])
-        return gen
-
-    def get(self, ns_seed: bytes) -> int:
-        with self._lock:
-            known = self._known.get(ns_seed)
-        if known is not None and time.monotonic() - known[1] < self._cfg.invalidation_ms / 1000:
-            return known[0]
-        gen = self._tier.breaker.call(lambda: self._read(ns_seed), None)
-        if gen is None:  # unreachable or unstable: keep the last known generation, or a private one
-            if known is not None:
-                return known[0]
-            return self._remember(ns_seed, new_generation(), time.monotonic())
-        return self._remember(ns_seed, gen, time.monotonic())
+    def _attempt(self, fn: Callable[[], T], default: T) -> T:
+        return self._tier.breaker.call(fn, default)
 
     def _read(self, ns_seed: bytes) -> int | None:
         """The current generation in Redis, creating or repairing it when needed; None if the
@@ -116,24 +103,18 @@ class RedisEpochs(EpochStore):
             except Exception as e:  # it changed type meanwhile: read it again
                 if not is_wrong_type(e) and "WRONGTYPE" not in str(e):
                     raise
-        reject("remote_unstable_epochs", "%s changed under every repair; keeping the last known generation", key)
+        reject("remote_unstable_epochs", "%s changed under every repair; no generation confirmed", key)
         return None
 
-    def bump(self, ns_seed: bytes) -> int:
-        client = self._tier.client
-        gen = new_generation()
-        with self._lock:
-            old = self._known.get(ns_seed)
-        client.set(self._key(ns_seed), str(gen))  # raises if Redis is down: a reset must not be lost
-        if old is not None:
-            self.retired.add(ns_seed, old[0])
-        self._remember(ns_seed, gen, time.monotonic())
+    def _write(self, ns_seed: bytes, gen: int) -> None:
+        self._tier.client.set(self._key(ns_seed), str(gen))
+
+    def _announce(self, ns_seed: bytes) -> None:
         try:
-            client.publish(self._channel, ns_seed.hex())
+            self._tier.client.publish(self._channel, ns_seed.hex())
         except service_errors() as e:  # the I/O edge: others catch up within invalidation_ms
             log.warning("kvstrata remote: epoch announcement failed (%s); other instances see the "
                         "new generation within remote.invalidation_ms", e)
-        return gen
 
     def describe(self, ns_seed: bytes, blob: bytes) -> None:
         """In Redis, for every host, and in the local floor, for this one when Redis is away."""
@@ -186,10 +167,7 @@ class RedisEpochs(EpochStore):
             self._tier.reject("remote_bad_messages", "ignoring a message on %s that names no namespace: %s",
                               self._channel, shown(data))
             return
-        with self._lock:
-            known = self._known.get(seed)
-            if known is not None:
-                self._known[seed] = (known[0], 0.0)
+        self.changed(seed)
 
     def _listen(self) -> None:
         errors, failing = service_errors(), False
@@ -203,6 +181,7 @@ class RedisEpochs(EpochStore):
                     log.warning("kvstrata remote: epoch subscriber connected again")
                     failing = False
                 while not self._stop.is_set():
+                    self.write_pending()  # a reset Redis refused is written as soon as it answers
                     msg = pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
                         self._forget(msg.get("data"))

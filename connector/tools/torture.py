@@ -81,7 +81,6 @@ NAMESPACES = [Namespace("torture", m, "v1", "uint8", f"[{PAYLOAD_BYTES}]", BLOCK
 RATES = {"invalidate": 0.4, "epoch_loss": 0.25, "corrupt_l2": 6.0, "corrupt_redis": 4.0,
          "collision_probe": 2.0, "tail_probe": 1.5, "flush": 1.0}
 SWITCH_S = 1e-4  # GIL hand-offs 50x more often than Python's default: thread interleavings widen
-REDIS_SLACK_S = 0.2  # scheduling slack on top of remote.invalidation_ms (2 cores, ~10 threads)
 REJECTION = re.compile(r"checksum|bad_header|bad_epoch|rollback|load_fail|missing|read_error|collision|reject|mismatch")
 _RAMP = (np.arange(PAYLOAD_BYTES, dtype=np.uint32) * 7 % 251).astype(np.uint8)
 
@@ -223,8 +222,11 @@ def store_config(spec: dict[str, Any], key_bits: int) -> StrataConfig:
         "testing": {"key_bits": key_bits},
     }
     if spec.get("redis"):
+        # A short breaker backoff: with --net-faults the tier comes and goes every few seconds,
+        # and the run should see hits resume each time it answers again.
         data["remote"] = {"enabled": True, "url": spec["redis"], "key_prefix": spec["prefix"],
-                          "invalidation_ms": spec["invalidation_ms"]}
+                          "invalidation_ms": spec["invalidation_ms"],
+                          "breaker": {"reset_ms": 250, "max_backoff_ms": 2000}}
     return StrataConfig.model_validate(data)
 
 
@@ -283,7 +285,9 @@ class Worker:
         if spec.get("redis"):
             import redis
 
-            self.redis = redis.Redis.from_url(spec["redis"], socket_timeout=2)
+            # Straight to the server, past the --net-faults proxy: the chaos (state loss, flipped
+            # values) is another actor's, which the faults between this store and Redis do not stop.
+            self.redis = redis.Redis.from_url(spec.get("redis_direct") or spec["redis"], socket_timeout=2)
         # Prompts saved lately by any thread of this process: looking them up while other
         # threads evict is where lookup/pin/load races live.
         self.recent: deque[tuple[Namespace, np.ndarray]] = deque(maxlen=24)
@@ -442,7 +446,9 @@ class Actor:
     def invalidate(self) -> None:
         ns = self.rng.choice(NAMESPACES)
         before = self.store.current_epoch(ns)
-        self.store.invalidate(ns.seed)
+        if self.store.invalidate(ns.seed) is None:  # not written to the shared tier: nothing retired
+            self.tally.add("invalidations_failed")  # (for others; this process serves none of it)
+            return
         self.w.oracle.retire([before], time.monotonic_ns(), "invalidate")
 
     def lose_epochs(self) -> None:
@@ -704,6 +710,8 @@ def summarize(counts: Counter[str], store: Counter[str], events: list[dict[str, 
         "tail_probes": counts["tail_probes"],
         "collision_probes": counts["collision_probes"],
         "errors": counts["errors"],
+        "invalidations_failed": counts["invalidations_failed"],
+        "unconfirmed_generation_misses": store["unconfirmed_generation_misses"],
         "injected": injected,
         "rejections": {**{k: v for k, v in sorted(store.items()) if REJECTION.search(k)},
                        "collision_refusals": counts["collision_refusals"]},
@@ -721,7 +729,7 @@ def print_summary(s: dict[str, Any], to_stderr: bool) -> None:
 
     console = Console(stderr=to_stderr)
     table = Table(title=f"kvstrata torture: {s['seconds']:.0f} s, seed {s['seed']}"
-                        + (", with Redis" if s["redis"] else ""))
+                        + (", with Redis" if s["redis"] else "") + (" behind network faults" if s.get("net_faults_s") else ""))
     table.add_column("measure")
     table.add_column("value", justify="right")
     for label, key in (("operations per second", "ops_per_s"), ("operations", "ops"),
@@ -739,6 +747,11 @@ def print_summary(s: dict[str, Any], to_stderr: bool) -> None:
                           f"[red]{v}[/red]")
     for name, v in s["injected"].items():
         table.add_row(f"injected: {name}", str(v))
+    for mode, seconds in (s.get("net_faults_s") or {}).items():
+        table.add_row(f"network {mode} (s)", f"{seconds:.1f}")
+    if s.get("net_faults_s"):
+        table.add_row("invalidations not written (refused)", str(s["invalidations_failed"]))
+        table.add_row("lookups missed: generation unconfirmed", str(s["unconfirmed_generation_misses"]))
     for name, v in s["rejections"].items():
         table.add_row(f"rejected: {name}", str(v))
     w = s["workers"]
@@ -769,6 +782,10 @@ def run(args: argparse.Namespace) -> int:
     if args.procs < 1 or args.threads < 1 or args.seconds <= 0:
         print("kvstrata torture: --procs, --threads and --seconds must be positive", file=sys.stderr)
         return 2
+    if args.net_faults and not args.redis:
+        print("kvstrata torture: --net-faults needs --redis URL (the faults are between the workers and Redis)",
+              file=sys.stderr)
+        return 2
     invalidation_ms = 50
     if args.redis:
         import redis
@@ -786,12 +803,22 @@ def run(args: argparse.Namespace) -> int:
     run_dir = root / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "counts").mkdir(parents=True)
-    grace_ms = args.grace_ms if args.grace_ms is not None else (
-        invalidation_ms + REDIS_SLACK_S * 1000 if args.redis else 0.0)
     prefix = f"kvstrata-torture-{os.getpid()}-{args.seed}"
     base = dict(run=str(run_dir), l2=str(root / "l2"), seed=args.seed, procs=args.procs, threads=args.threads,
-                redis=args.redis, prefix=prefix, invalidation_ms=invalidation_ms, grace_s=grace_ms / 1000,
+                redis=args.redis, redis_direct=args.redis, prefix=prefix, invalidation_ms=invalidation_ms,
                 parent=os.getpid())
+    # The grace is the bound the README promises: a generation is used at most
+    # invalidation_ms + confirm_margin_ms after the shared tier last confirmed it (none without it:
+    # the epoch files are read at every lookup).
+    grace_ms = args.grace_ms if args.grace_ms is not None else (
+        store_config(dict(base, l2=str(root / "l2")), 128).remote.staleness_bound_s * 1000 if args.redis else 0.0)
+    base["grace_s"] = grace_ms / 1000
+    proxy = None
+    if args.net_faults:
+        from .netfault import FaultyProxy
+
+        proxy = FaultyProxy(args.redis)
+        base["redis"] = proxy.url  # the workers' stores reach Redis through the proxy only
 
     fleet = Fleet(base)  # the workers open the fresh folder together: concurrent first opens too
     rng = random.Random(f"parent-{args.seed}")
@@ -808,15 +835,21 @@ def run(args: argparse.Namespace) -> int:
         base["deadline_ns"] = time.monotonic_ns() + int((args.seconds + 15) * 1e9)
         for _ in range(args.procs):
             fleet.spawn()
+        if proxy is not None:
+            proxy.start_cycling(args.seed)
         _supervise(fleet, run_dir, rng, start, args)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         elapsed = time.monotonic() - start
         fleet.close()
+        if proxy is not None:
+            proxy.close()
         signal.signal(signal.SIGTERM, previous)
     counts, store, events = collect(run_dir)
     summary = summarize(counts, store, events, fleet, elapsed, args)
+    summary["grace_ms"] = grace_ms
+    summary["net_faults_s"] = proxy.seconds_in() if proxy is not None else None
     caught = [e["t"] for e in events if "t" in e]
     summary["first_catch_s"] = round(min(caught) - start, 1) if caught else None
     failed = bool(summary["wrong"] or summary["stale"] or summary["lost_tails"])
@@ -876,10 +909,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "a temp folder (in /dev/shm if any), deleted unless the run fails")
     p.add_argument("--redis", default=None, metavar="URL", help="also torture the shared tier on this server "
                                                                 "(keys under a private prefix, deleted after)")
+    p.add_argument("--net-faults", action="store_true",
+                   help="with --redis: put a loopback proxy between the workers and Redis that cycles through "
+                        "forwarding, 300 ms late, hung and refusing, every 1-3 s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill-every", type=float, default=6.0,
                    help="SIGKILL a random worker about this often, in seconds, and start a new one (0: never)")
     p.add_argument("--grace-ms", type=float, default=None,
                    help="how long after a retirement a load of the old generation is still allowed "
-                        "(default 0; with --redis remote.invalidation_ms + 200)")
+                        "(default 0; with --redis the promised bound, remote.invalidation_ms + "
+                        "remote.confirm_margin_ms)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")

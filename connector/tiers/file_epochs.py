@@ -1,0 +1,139 @@
+"""tiers/file_epochs.py: ``FileEpochs``, namespace generations (see ``epochs``) in a folder every
+process that shares it reads and writes: L2's ``epochs/`` (the processes of one host) or the
+shared folder's (``remote.backend: fs``, every host that mounts it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Callable
+
+from ..epochs import (PolledEpochs, Retired, T, new_generation, parse_generation, read_descriptor, read_head,
+                      temp_name, write_atomic, write_descriptor, write_new)
+from .folder import make_folder
+
+log = logging.getLogger(__name__)
+
+
+class FileEpochs(PolledEpochs):
+    """``<root>/<seed hex>``: the generation as decimal text.
+
+    A missing file is created with ``link()`` of a complete temp file, which fails if another
+    process created it first (no locks: NFS has none), so concurrent creators agree. Two
+    concurrent bumps both replace the file; the last one wins, and both hide every older entry,
+    which is all a bump has to do. A file that does not hold a valid generation, or holds a
+    retired one, is lost state and is replaced by a fresh generation.
+
+    Two ways to read it (``shared``):
+
+    - local (L2's folder, one host): at every use, re-read only when ``stat()`` changes. A lookup
+      uses the generation it has just read, so a bump by any process of the host is seen at once.
+    - shared (a network filesystem): every ``refresh_s`` at most, by ``open()`` and ``read()``,
+      never by a cached ``stat()``: NFS caches attributes for up to a minute, while an ``open()``
+      revalidates them (close-to-open consistency). A lookup uses a generation read at most
+      ``bound_s`` before it started (see ``PolledEpochs``).
+
+    A file that cannot be read or written (a planted folder, a read-only, full or unmounted disk)
+    is a failure: lookups miss once the last confirmation is too old, and saves go under a
+    generation nobody else uses until the file can be read again.
+    """
+
+    def __init__(self, root: Path, modes: tuple[int, int] = (0o700, 0o600), *, shared: bool = False,
+                 refresh_s: float = 0.0, bound_s: float | None = 0.0) -> None:
+        """``modes``: of the folder (if created here) and of the files written; a shared folder
+        passes its group bits so that every instance of the group can read and replace them."""
+        self._root = root
+        self._file_mode = modes[1]
+        self._shared = shared
+        make_folder(root, modes[0])  # concurrent creators are fine; an existing folder keeps its mode
+        super().__init__(Retired(root, modes[1]), refresh_s if shared else 0.0, bound_s if shared else 0.0)
+        self._cache: dict[bytes, tuple[tuple[int, int, int], int]] = {}
+        self._failing = False
+
+    def _path(self, ns_seed: bytes) -> Path:
+        return self._root / ns_seed.hex()
+
+    def _attempt(self, fn: Callable[[], T], default: T) -> T:
+        try:
+            result = fn()
+        except OSError as e:
+            if not self._failing:  # once per failing spell, not per lookup
+                log.warning("kvstrata epochs: %s; lookups in %s miss until it can be read and written again",
+                            e, self._root)
+            self._failing = True
+            return default
+        if self._failing:
+            log.warning("kvstrata epochs: %s can be read again", self._root)
+            self._failing = False
+        return result
+
+    def _read(self, ns_seed: bytes) -> int | None:
+        path = self._path(ns_seed)
+        for _ in range(8):  # a concurrent create or replace: read again
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                self._create(path)
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a planted link, FIFO or folder is lost state
+                log.warning("kvstrata epochs: %s is not a regular file; starting a new generation", path)
+                self._replace(ns_seed, None)
+                continue
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._cache.get(ns_seed)
+            if cached and cached[0] == stamp and not self._shared:
+                return cached[1]
+            try:
+                raw = read_head(path, 64)
+            except FileNotFoundError:
+                continue
+            gen = parse_generation(raw)
+            if gen is None or (ns_seed, gen) in self.retired:
+                what = "a retired generation" if gen is not None else f"no valid generation ({raw[:32]!r})"
+                log.warning("kvstrata epochs: %s holds %s; starting a new generation "
+                            "(older blocks of this namespace become misses)", path, what)
+                self._replace(ns_seed, gen)
+                continue
+            self._cache[ns_seed] = (stamp, gen)
+            return gen
+        raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable generation")
+
+    def _create(self, path: Path) -> None:
+        tmp = temp_name(path, "new")
+        write_new(tmp, f"{new_generation()}\n", self._file_mode)
+        try:
+            os.link(tmp, path)  # atomic create-if-absent: the first creator wins
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _replace(self, ns_seed: bytes, old: int | None) -> None:
+        if old is not None:
+            self.retired.add(ns_seed, old)
+        self._write(ns_seed, new_generation())
+
+    def _write(self, ns_seed: bytes, gen: int) -> None:
+        write_atomic(self._path(ns_seed), f"{gen}\n", self._file_mode)
+
+    def describe(self, ns_seed: bytes, blob: bytes) -> None:
+        try:
+            write_descriptor(self._root, ns_seed, blob, self._file_mode)
+        except OSError as e:
+            log.warning("kvstrata epochs: cannot record what namespace %s is in %s: %s", ns_seed.hex(), self._root, e)
+
+    def descriptor(self, ns_seed: bytes) -> bytes | None:
+        return read_descriptor(self._root, ns_seed)
+
+    def known(self) -> list[bytes]:
+        out = []
+        for p in self._root.iterdir():
+            if len(p.name) == 32 and not p.name.startswith("."):
+                try:
+                    out.append(bytes.fromhex(p.name))
+                except ValueError:
+                    pass
+        return out
