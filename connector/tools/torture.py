@@ -65,6 +65,7 @@ import numpy as np
 import torch
 
 from kvstrata.config import StrataConfig
+from kvstrata.epochs import parse_generation
 from kvstrata.keys import Namespace, as_tokens, block_key, chain_keys, root_key
 
 log = logging.getLogger(__name__)
@@ -452,9 +453,19 @@ class Actor:
         self.w.oracle.retire([before], time.monotonic_ns(), "invalidate")
 
     def lose_epochs(self) -> None:
-        """Delete the epoch state (files; with Redis the epoch keys) after noting what was current."""
-        before = [self.store.current_epoch(ns) for ns in NAMESPACES]
+        """Delete the epoch state (files; with Redis the epoch keys), noting the generations that
+        were current there. Read from the state itself, not from this worker's view: a reset of
+        this worker that Redis refused is pending, never current, and lands later as a fresh
+        generation (what it saved meanwhile was computed after that reset)."""
         folder = self.w.l2 / "epochs"
+        before: list[int] = []
+        if self.w.redis is None:
+            for ns in NAMESPACES:
+                try:
+                    gen = parse_generation((folder / ns.seed.hex()).read_bytes()[:64])
+                except OSError:
+                    gen = None
+                before += [gen] if gen is not None else []
         for name in os.listdir(folder):
             if not name.startswith("."):  # leave writes in flight alone: they are not state yet
                 try:
@@ -462,9 +473,13 @@ class Actor:
                 except FileNotFoundError:
                     pass
         if self.w.redis is not None:
-            names = list(self.w.redis.scan_iter(match=f"{self.w.spec['prefix']}:epoch:*", count=1000))
-            if names:
-                self.w.redis.delete(*names)
+            prefix = self.w.spec["prefix"]
+            names = list(self.w.redis.scan_iter(match=f"{prefix}:epoch:*", count=1000))
+            pipe = self.w.redis.pipeline(transaction=True)  # read and delete in one step
+            for ns in NAMESPACES:
+                pipe.get(f"{prefix}:epoch:{ns.seed.hex()}")
+            pipe.delete(*names, *(f"{prefix}:epoch:{ns.seed.hex()}" for ns in NAMESPACES))
+            before = [g for raw in pipe.execute()[: len(NAMESPACES)] if (g := parse_generation(raw)) is not None]
         self.w.oracle.retire(before, time.monotonic_ns(), "loss")
 
     def corrupt_l2(self) -> None:
