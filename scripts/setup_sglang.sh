@@ -11,31 +11,26 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv-sglang
 SGLANG=sglang==0.5.23
-stamp_of() { cat scripts/setup_sglang.sh pyproject.toml | sha1sum | cut -c1-12; }
-
-# pip warns about every package missing from the machine's local mirrors, and about each CUDA
-# requirement of sglang left out on purpose; keep its real errors.
-pip_() {
-  "$VENV/bin/python" -m pip -q "$@" 2> >(grep -v -e "is ignored: it is neither" \
-    -e "dependency resolver does not currently" -e "^sglang 0.5.23 \(requires\|has requirement\)" >&2)
-}
+stamp_of() { cat scripts/setup_sglang.sh scripts/install.sh pyproject.toml | sha1sum | cut -c1-12; }
+# shellcheck source=scripts/install.sh
+. scripts/install.sh  # uv from ./.venv when it is there, else pip
 
 [ -f "$VENV/.setup-sglang-$(stamp_of)" ] && exit 0
-echo "setup: $SGLANG (CPU) and kvstrata into $VENV (about 3 minutes)" >&2
+echo "setup: $SGLANG (CPU) and kvstrata into $VENV" >&2
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 HOLD=$(mktemp)
 trap 'rm -f "$HOLD"' EXIT
 echo "torch==2.13.0" > "$HOLD"  # the CPU build (an unpinned torch pulls a CUDA one)
 
-pip_ install torch==2.13.0
+install "$VENV" torch==2.13.0
 # torchvision matching torch 2.13; its CUDA _C does not load, the shims define the two op schemas
 # its Python parts need.
-pip_ install --no-deps "$SGLANG" torchvision==0.28.0
+install "$VENV" --no-deps "$SGLANG" torchvision==0.28.0
 # sglang 0.5.23's requirements without the CUDA-only ones (cuda-python, flash-attn-4, flashinfer,
 # humming-kernels, nvidia-cutlass-dsl, nvidia-mathdx, nvshmem4py, quack-kernels, sgl-deep-ep,
 # sgl-deep-gemm, sgl-flash-mla, sglang-kernel, tilelang, torch_memory_saver) and the multimodal
 # ones a text model does not need (torchaudio, torchcodec, timm, decord2, av).
-pip_ install -c "$HOLD" aiohttp "anthropic>=0.20.0" apache-tvm-ffi==0.1.11 blobfile==3.0.0 build \
+install "$VENV" -c "$HOLD" aiohttp "anthropic>=0.20.0" apache-tvm-ffi==0.1.11 blobfile==3.0.0 build \
   compressed-tensors==0.18.0 datasets distro easydict einops fastapi gguf interegular IPython \
   "llguidance>=1.7.6,<2.0.0" "mistral_common>=1.11.5" msgspec ninja numba==0.65.1 numpy nvidia-ml-py \
   openai==2.8.0 openai-harmony==0.0.4 orjson outlines==0.1.11 packaging partial_json_parser pillow \
@@ -45,7 +40,7 @@ pip_ install -c "$HOLD" aiohttp "anthropic>=0.20.0" apache-tvm-ffi==0.1.11 blobf
   watchfiles xgrammar==0.2.7 xxhash zstandard
 # kvstrata itself (editable, so the adapter is the working tree's) with redis-py for its shared
 # tier, and the test tools.
-pip_ install -c "$HOLD" -e '.[redis]' pytest pytest-timeout
+install "$VENV" -c "$HOLD" -e '.[redis]' pytest pytest-timeout
 "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__

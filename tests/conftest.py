@@ -10,7 +10,10 @@ against the key it was stored under without remembering what was written.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -21,6 +24,7 @@ import torch
 from kvstrata.config import StrataConfig, load_config
 from kvstrata.keys import BlockChain, Namespace
 from kvstrata.store import BlockStore, Hit
+from kvstrata.tools.serving import STARTS_ENV
 
 BLOCK_SIZE = 16  # tokens per block
 BLOCK_BYTES = 256  # payload bytes per block (tiny on purpose)
@@ -120,3 +124,53 @@ def store_factory(tmp_path: Path):
     yield factory
     for store in opened:
         store.close()
+
+
+# ------------------------------------------------------------------ pytest-xdist work groups
+# ``make test`` runs two workers with ``--dist loadgroup``: a group runs whole on one worker. Each
+# test file is a group (its module fixtures start once), the files that share the session's vLLM
+# engine pair are one, and every SGLang test is in one (one SGLang server at a time).
+SHARED_GROUPS = {"test_vllm": "vllm-pair", "test_vllm_stats": "vllm-pair"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = Path(str(item.fspath)).stem
+        sglang = "/engines/" in item.nodeid and "sglang" in item.nodeid.rsplit("/", 1)[-1]
+        item.add_marker(pytest.mark.xdist_group("sglang" if sglang else SHARED_GROUPS.get(module, module)))
+
+
+# ------------------------------------------------------------------------- engine start count
+# Every engine start appends a line to the file $KVSTRATA_ENGINE_STARTS names (serving.note_start):
+# the tests' launchers (tests/engines/conftest.py) and the kvstrata commands the tests run. The
+# session (the controller, when pytest-xdist runs workers: they inherit the variable) prints them.
+TOOL_PROCESSES = ("cli.py", "ttft_worker.py", "kvstrata")  # a kvstrata command's own engine processes
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if STARTS_ENV not in os.environ:  # else a child pytest: it counts into its parent's file
+        fd, path = tempfile.mkstemp(prefix="kvstrata-engine-starts-")
+        os.close(fd)
+        os.environ[STARTS_ENV] = path
+        config._kvstrata_starts = path  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    path = getattr(config, "_kvstrata_starts", None)
+    if path is None:
+        return
+    try:
+        starts = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        os.unlink(path)
+    except (OSError, ValueError):
+        return
+    if not starts:
+        return
+    kinds: dict[str, int] = {}
+    for s in starts:
+        kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
+    tools = [s for s in starts if s.get("argv0") in TOOL_PROCESSES]
+    terminalreporter.write_sep("=", f"engine starts: {len(starts)}")
+    terminalreporter.write_line(", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+    terminalreporter.write_line(f"by the tests' launchers: {len(starts) - len(tools)}; inside the kvstrata "
+                                f"commands the tests run (demo, bench): {len(tools)}")

@@ -7,6 +7,7 @@ user would type, so nothing here imports an engine. Only the standard library's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,6 +30,19 @@ CPU_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+
+
+STARTS_ENV = "KVSTRATA_ENGINE_STARTS"
+
+
+def note_start(kind: str) -> None:
+    """Append one JSON line about this engine start to the file ``$KVSTRATA_ENGINE_STARTS`` names, if
+    any: the test suite counts engine starts this way, its own and those of the commands it runs."""
+    path = os.environ.get(STARTS_ENV)
+    if path:
+        with contextlib.suppress(OSError), open(path, "a") as f:
+            f.write(json.dumps({"kind": kind, "pid": os.getpid(), "argv0": os.path.basename(sys.argv[0]),
+                                "test": os.environ.get("PYTEST_CURRENT_TEST", "")}) + "\n")
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -107,6 +121,7 @@ class Server:
 
     def __enter__(self) -> "Server":
         self._log = open(self.log_path, "wb")
+        note_start("vllm server" if "vllm" in " ".join(self.cmd) else "server")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         deadline = time.monotonic() + self.timeout

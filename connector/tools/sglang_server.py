@@ -7,7 +7,8 @@ the standard library's HTTP client only, through ``serving.stream`` as for vLLM.
 
 Without CUDA, upstream SGLang cannot run HiCache on a CPU "device"; the server then gets the
 test-only shims of ``tests/engines/sglang_shims`` on its ``PYTHONPATH`` and the CPU flags
-(``cpu_flags``), as in ``tests/test_sglang.py`` and ``examples/serve_sglang.sh``.
+(``cpu_flags``), as in the tests' launcher (``tests/engines/conftest.py``) and
+``examples/serve_sglang.sh``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .serving import free_port, stream
+from .serving import free_port, note_start, stream
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class SGLangServer:
             raise RuntimeError("an SGLangServer starts once")
         t = time.monotonic()
         log.debug("starting %s", " ".join(self.cmd))
+        note_start("sglang server")
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.env, cwd=ROOT, start_new_session=True)
@@ -176,10 +178,10 @@ class SGLangServer:
             time.sleep(0.5)
         raise SGLangUnavailable(f"/flush_cache kept failing after {attempts} attempts")
 
-    def generate(self, ids: list[int], max_new_tokens: int) -> Generation:
+    def generate(self, ids: list[int], max_new_tokens: int, **extra: Any) -> Generation:
         """Greedy ``/generate`` of token ids, streamed; TTFT is the time to the first chunk that
-        carries an output token."""
-        body = {"input_ids": ids, "stream": True,
+        carries an output token. ``extra``: more request fields (``extra_key``, ``cache_salt``)."""
+        body = {"input_ids": ids, "stream": True, **extra,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
         start = time.perf_counter()
         ttft, tokens, meta = None, [], {}

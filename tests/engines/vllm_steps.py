@@ -1,30 +1,37 @@
-"""Test scaffolding: runs one vLLM engine (CPU) through a list of steps and prints JSON results.
+"""Test scaffolding: one offline vLLM engine (CPU) that runs lists of steps and prints JSON results.
 
-Usage: python vllm_steps.py SPEC.json. SPEC: {"model": DIR, "config": YAML or null (no connector),
-"mp": bool (separate EngineCore/worker processes), "block_size": int, "steps": [...]}. Steps:
-{"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} -> {"tokens", "cached", "ms"};
-{"op": "reset", "connector": bool} -> {"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
-(in-process engines only); {"op": "signal", "file": path} creates a file; {"op": "wait", "file":
-path} waits for one (to coordinate with the test or another engine); {"op": "sleep", "s": x};
-{"op": "arenas"} -> {"names"}: kvstrata's L1 arena files in /dev/shm owned by this process or its
-children (the EngineCore when "mp").
-Greedy decoding throughout.
+Started by ``StepEngine`` in tests/engines/conftest.py (the one launcher of these engines), never
+by a test directly: ``python vllm_steps.py SPEC.json``. The engine is built once, prints
+``READY``, then reads one JSON list of steps per line on stdin and answers each list with one
+``RESULT <json list>`` line (``ERROR <json traceback>`` if a step raised), until stdin closes. Several tests share one engine this way.
+
+SPEC: {"model": DIR, "config": YAML or null (no connector), "mp": bool (separate EngineCore and
+worker processes), "tp": int (tensor-parallel ranks, one worker process each), "block_size": int,
+"module_path": bool (name the connector's module, else the plugin entry point finds it)}.
+
+Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} -> {"tokens",
+"cached", "ms"}; {"op": "generate", "prompts": [[ids], ...]} -> {"tokens": [[...]], "cached":
+[...]} (one batched call: the prompts share engine steps); {"op": "reset", "connector": bool} ->
+{"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
+(in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "arenas", "children": bool} ->
+{"names"}: kvstrata's L1 arena files in /dev/shm created by this process or (by default) its
+children (the EngineCore when "mp"). Greedy decoding throughout.
 """
 
 import json
 import os
 import sys
 import time
+import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def _own_arenas() -> list[str]:
+def _own_arenas(children: bool) -> list[str]:
     """Arena files (``kvstrata-PID-...``) whose PID is this process or one of its children."""
     pids = {os.getpid()}
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir("/proc") if children else ():
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
@@ -37,11 +44,13 @@ def _own_arenas() -> list[str]:
                   if n.startswith("kvstrata-") and n.split("-")[1].isdigit() and int(n.split("-")[1]) in pids)
 
 
-def main() -> None:
-    spec = json.load(open(sys.argv[1]))
-    if not spec.get("mp"):
+def build(spec: dict):
+    tp = spec.get("tp", 1)
+    if not spec.get("mp") or tp > 1:  # TP: EngineCore here, the ranks' workers in processes of their own
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                          "nobind" if tp == 1 else "|".join(str(r % os.cpu_count()) for r in range(tp)))
+    from vllm import LLM
 
     ktc = None
     if spec.get("config"):
@@ -50,41 +59,58 @@ def main() -> None:
                "kv_load_failure_policy": "recompute"}
         if spec.get("module_path", True):
             ktc["kv_connector_module_path"] = "kvstrata.adapters.vllm"
-    llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
-              max_model_len=4096, kv_transfer_config=ktc, enable_prefix_caching=True, seed=0)
-    results = []
-    for step in spec["steps"]:
-        if step["op"] == "generate":
-            prompt = {"prompt_token_ids": step["prompt"]}
-            if step.get("salt"):
-                prompt["cache_salt"] = step["salt"]
-            params = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8))
-            start = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
-            results.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
-                            "ms": (time.perf_counter() - start) * 1000})
-        elif step["op"] == "reset":
-            results.append({"ok": llm.reset_prefix_cache(reset_connector=step.get("connector", False))})
-        elif step["op"] == "signal":
-            open(step["file"], "w").close()
-            results.append({})
-        elif step["op"] == "wait":
-            deadline = time.monotonic() + step.get("timeout", 300)
-            while not os.path.exists(step["file"]):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(step["file"])
-                time.sleep(0.05)
-            results.append({})
-        elif step["op"] == "sleep":
-            time.sleep(step["s"])
-            results.append({})
-        elif step["op"] == "arenas":
-            results.append({"names": _own_arenas()})
-        elif step["op"] == "counters":
-            store = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.store
-            store.wait_recovered(120)  # settled figures: the background L2 scan's counts included
-            results.append(store.counters.snapshot())
-    print("RESULT " + json.dumps(results), flush=True)
+    return LLM(model=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
+               max_model_len=4096, kv_transfer_config=ktc, enable_prefix_caching=True, seed=0,
+               tensor_parallel_size=tp, dtype=spec.get("dtype", "auto"))
+
+
+def step(llm, op: dict) -> dict:
+    from vllm import SamplingParams
+
+    if op["op"] == "generate":
+        params = SamplingParams(temperature=0, max_tokens=op.get("max_tokens", 8))
+        if "prompts" in op:
+            outs = llm.generate([{"prompt_token_ids": p} for p in op["prompts"]], params, use_tqdm=False)
+            return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "cached": [o.num_cached_tokens for o in outs]}
+        prompt = {"prompt_token_ids": op["prompt"]}
+        if op.get("salt"):
+            prompt["cache_salt"] = op["salt"]
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+                "ms": (time.perf_counter() - start) * 1000}
+    if op["op"] == "reset":
+        return {"ok": llm.reset_prefix_cache(reset_connector=op.get("connector", False))}
+    if op["op"] == "sleep":
+        time.sleep(op["s"])
+        return {}
+    if op["op"] == "arenas":
+        return {"names": _own_arenas(op.get("children", True))}
+    if op["op"] == "counters":
+        store = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.store
+        store.wait_recovered(120)  # settled figures: the background L2 scan's counts included
+        return store.counters.snapshot()
+    raise ValueError(f"unknown step {op['op']!r}")
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    from kvstrata.tools.serving import note_start
+
+    note_start("vllm offline engine")
+    llm = build(spec)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            out = [step(llm, op) for op in json.loads(line)]
+        except Exception:  # the test fails with this; the engine stays up for the next one
+            print("ERROR " + json.dumps(traceback.format_exc()), flush=True)
+        else:
+            print("RESULT " + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

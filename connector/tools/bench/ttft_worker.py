@@ -23,6 +23,10 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     from vllm import LLM, SamplingParams
 
+    from kvstrata.tools.serving import note_start
+
+    note_start("vllm offline engine")
+
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], enforce_eager=True, block_size=spec["block_size"],
               enable_prefix_caching=spec["prefix_caching"], seed=0, dtype=spec.get("dtype", "auto"),

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+from engines.conftest import BS, LONG, gen, salt
+from engines.test_vllm import BLOCKS, block_files, l2_of, stored_files
+from kvstrata.stats_view import size_text
 
-from kvstrata.stats_view import size_text  # noqa: E402
-from test_vllm import BS, LONG, config, gen, model, run  # noqa: E402,F401  (model: a fixture)
+pytest.importorskip("vllm")
 
 
 def kvstrata(*args: str) -> str:
@@ -22,10 +22,15 @@ def kvstrata(*args: str) -> str:
     return res.stdout
 
 
-def test_stats_names_the_served_model_and_invalidate_model_stops_its_hits(model, tmp_path: Path):
-    cfg = config(tmp_path)
-    first, = run(model, tmp_path, cfg, [gen(LONG)])
+def test_stats_names_the_served_model_and_invalidate_model_stops_its_hits(model, disk_pair):
+    """On the session's engine pair: a connector reset first, so that the current generation
+    holds this test's prompt alone; ``b`` (which never saw it) asks after the invalidation."""
+    a, b = disk_pair
+    s, cfg = salt(), a.config
+    before = block_files(l2_of(a))
+    _, first = a.run([{"op": "reset", "connector": True}, gen(LONG, salt=s)])
     assert first["cached"] == 0
+    assert len(stored_files(l2_of(a), before)) == BLOCKS
     data = json.loads(kvstrata("stats", "--config", str(cfg), "--json"))
     (ns_id, described), = data["descriptors"].items()
     assert described["model"] == model and described["engine"] == "vllm" and described["block_size"] == BS
@@ -37,5 +42,5 @@ def test_stats_names_the_served_model_and_invalidate_model_stops_its_hits(model,
     assert f"  {ns_id}  {model}\n" in out and f"    dtype      {described['kv_dtype']}\n" in out, out
     assert f"    stored     {blocks} blocks, {size_text(stored['bytes'])} (generation {gen_id})" in out, out
     assert kvstrata("invalidate", "--config", str(cfg), "--model", model).startswith(f"{ns_id}: new generation ")
-    again, = run(model, tmp_path, cfg, [gen(LONG)])
+    again, = b.run([gen(LONG, salt=s)])
     assert again["cached"] == 0 and again["tokens"] == first["tokens"]

@@ -18,8 +18,7 @@ import redis
 import redisutil
 from kvstrata.blockfmt import HEADER_SIZE, pack_header, payload_checksum, unpack_header
 from kvstrata.keys import chain_keys, extra_digest, root_key
-from test_vllm import BS, LONG, baseline, gen, model  # noqa: F401  (fixtures)
-from test_vllm_remote import _finish, _start, _wait
+from engines.conftest import BS, LONG, StepEngine, gen
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
 
@@ -82,53 +81,41 @@ def epoch_value(client: redis.Redis, case: str, key: str, seed_hex: str) -> None
 def test_engine_serves_every_request_right_while_redis_holds_hostile_values(model, baseline, tmp_path):
     with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
         client = redis.Redis.from_url(url)
-        names = ["filled", "blocks_done", *EPOCH_CASES, *[f"{c}_ready" for c in EPOCH_CASES]]
-        files = {name: tmp_path / name for name in names}
-        steps: list[dict] = []
-        for case in BLOCK_CASES:
-            steps += [gen(LONG, salt=f"block-{case}"), {"op": "sleep", "s": 0.3}]
-        for i in range(FILLERS):
-            steps += [gen(LONG, salt=f"filler-{i}"), {"op": "sleep", "s": 0.3}]
-        steps += [{"op": "signal", "file": str(files["filled"])}, {"op": "wait", "file": str(files["blocks_done"])},
-                  {"op": "reset"}]  # vLLM's own prefix cache: from here kvstrata answers
-        first_block_case = len(steps)
-        steps += [gen(LONG, salt=f"block-{case}") for case in BLOCK_CASES]
-        first_epoch_case = len(steps)
-        for case in EPOCH_CASES:
-            steps += [{"op": "signal", "file": str(files[f"{case}_ready"])}, {"op": "wait", "file": str(files[case])},
-                      {"op": "sleep", "s": 0.2}, gen(LONG, salt=f"epoch-{case}")]
-        steps += [{"op": "reset"}, gen(LONG, salt="epoch-messages"), {"op": "counters"}]
-
-        proc, log = _start(model, tmp_path, hostile_config(tmp_path, url), steps)
-        _wait(files["filled"], [proc])
-        epoch_keys = list(client.scan_iter("kvstrata:epoch:*"))
-        assert len(epoch_keys) == 1, epoch_keys
-        seed_hex = epoch_keys[0].decode().rsplit(":", 1)[1]
-        root = root_key(bytes.fromhex(seed_hex), int(client.get(epoch_keys[0])))
-        for case in BLOCK_CASES:
-            keys = chain_keys(root, np.array(LONG, np.uint32), BS, extra_digest([f"salt:block-{case}"]),
-                              partial=False).keys
-            names = [f"kvstrata:{{{k.hex()}}}:p" for k in keys]
-            assert all(client.exists(n) for n in names), f"{case}: the engine did not store every block"
-            block_value(client, case, names[BAD_BLOCK], names[BAD_BLOCK + 2])
-        files["blocks_done"].touch()
-        for case in EPOCH_CASES:
-            _wait(files[f"{case}_ready"], [proc])
-            epoch_value(client, case, epoch_keys[0].decode(), seed_hex)
-            files[case].touch()
-        out = _finish(proc, log)
+        with StepEngine(model, tmp_path, hostile_config(tmp_path, url), name="hostile") as engine:
+            steps: list[dict] = []
+            for case in BLOCK_CASES:
+                steps += [gen(LONG, salt=f"block-{case}"), {"op": "sleep", "s": 0.3}]
+            for i in range(FILLERS):
+                steps += [gen(LONG, salt=f"filler-{i}"), {"op": "sleep", "s": 0.3}]
+            out = engine.run(steps)
+            epoch_keys = list(client.scan_iter("kvstrata:epoch:*"))
+            assert len(epoch_keys) == 1, epoch_keys
+            seed_hex = epoch_keys[0].decode().rsplit(":", 1)[1]
+            root = root_key(bytes.fromhex(seed_hex), int(client.get(epoch_keys[0])))
+            for case in BLOCK_CASES:
+                keys = chain_keys(root, np.array(LONG, np.uint32), BS, extra_digest([f"salt:block-{case}"]),
+                                  partial=False).keys
+                names = [f"kvstrata:{{{k.hex()}}}:p" for k in keys]
+                assert all(client.exists(n) for n in names), f"{case}: the engine did not store every block"
+                block_value(client, case, names[BAD_BLOCK], names[BAD_BLOCK + 2])
+            # vLLM's own prefix cache reset: from here kvstrata answers
+            block_cases = engine.run([{"op": "reset"}, *[gen(LONG, salt=f"block-{case}") for case in BLOCK_CASES]])[1:]
+            epoch_cases = []
+            for case in EPOCH_CASES:
+                epoch_value(client, case, epoch_keys[0].decode(), seed_hex)
+                epoch_cases += engine.run([{"op": "sleep", "s": 0.2}, gen(LONG, salt=f"epoch-{case}")])[1:]
+            last, counters = engine.run([{"op": "reset"}, gen(LONG, salt="epoch-messages"), {"op": "counters"}])[1:]
         final_type = client.type(epoch_keys[0])
         final_epoch = client.get(epoch_keys[0]) if final_type == b"string" else None
 
-    generated = [r for r in out if "tokens" in r]
+    generated = [r for r in out + block_cases + epoch_cases + [last] if "tokens" in r]
     assert len(generated) == len(BLOCK_CASES) + FILLERS + len(BLOCK_CASES) + len(EPOCH_CASES) + 1
-    assert all(r["tokens"] == baseline["long"] for r in generated), "an answer differs from vLLM alone"
-    for i, case in enumerate(BLOCK_CASES):  # blocks before the bad one came from Redis, no more
-        assert out[first_block_case + i]["cached"] == BAD_BLOCK * BS, case
-    for i in range(len(EPOCH_CASES)):  # a fresh generation each time: nothing old is served
-        assert out[first_epoch_case + 4 * i + 3]["cached"] == 0, EPOCH_CASES[i]
-    assert out[-2]["cached"] == len(LONG) - 1  # and the shared tier still works after all that
-    counters = out[-1]
+    assert all(r["tokens"] == baseline(LONG) for r in generated), "an answer differs from vLLM alone"
+    for case, got in zip(BLOCK_CASES, block_cases):  # blocks before the bad one came from Redis, no more
+        assert got["cached"] == BAD_BLOCK * BS, case
+    for case, got in zip(EPOCH_CASES, epoch_cases):  # a fresh generation each time: nothing old is served
+        assert got["cached"] == 0, case
+    assert last["cached"] == len(LONG) - 1  # and the shared tier still works after all that
     assert counters.get("remote_wrong_size") == 2  # truncated, and a header saying another size
     assert counters.get("remote_wrong_key") == 1
     assert counters.get("remote_bad_headers") == 1

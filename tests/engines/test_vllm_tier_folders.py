@@ -5,17 +5,15 @@ matters: a vLLM engine (CPU, tiny model) starting on a planted L2 folder, the ``
 CLI on it, and two engines starting at the same moment on one new shared folder.
 
 Every prompt is LONG, under its own cache salt where it needs its own keys (the outputs are the
-same), so the session's one run without kvstrata (``baseline``) checks every answer.
-Engine starts: the baseline, two for the planted folder, two (together) for the new shared folder.
+same), so the session's runs without kvstrata (``baseline``) check every answer. Every engine here
+is about its start on a folder: two for the planted folder, two (together) for the new shared folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -24,17 +22,20 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import xxhash
 
 from kvstrata.blockfmt import HEADER, HEADER_SIZE, MAGIC, FormatError, unpack_header
 from kvstrata.keys import FORMAT_VERSION, NO_EXTRA, chain_keys, extra_digest, root_key
-from test_vllm import BS, LONG, STEPS, baseline, gen, model  # noqa: F401  (fixtures)
+from engines.conftest import BS, LONG, StepEngine, gen
+
+pytest.importorskip("vllm")
 
 CANDIDATES = [f"cand-{i}" for i in range(6)]  # salts of the prompts that become hidden ones
 BLOCKS = len(LONG) // BS + 1  # 15 full blocks and the partial tail
 CLI_S = 60.0  # a `kvstrata check` of a few hundred files, interpreter start included
 
-# Run as ``python -c BARRIER ME PEER STEPS SPEC``: vllm_steps.py, with each opening of a disk tier
+# Run as ``python -c BARRIER ME PEER STEPS SPEC`` (``StepEngine(prefix=...)``): vllm_steps.py, with each opening of a disk tier
 # folder (``DiskTier.__init__``: L2, then the shared folder) held until the peer engine reaches
 # the same point, so that both create the new folders at the same moment, not seconds apart.
 BARRIER = r"""
@@ -53,57 +54,6 @@ disk.DiskTier.__init__ = held
 sys.argv = [steps, spec]
 runpy.run_path(steps, run_name="__main__")
 """
-
-
-# ----------------------------------------------------------------------------- engine runs
-class Engine:
-    """One vllm_steps.py process, started now; its first step signals that the engine is up."""
-
-    def __init__(self, model: str, tmp: Path, config: Path, steps: list[dict],
-                 barrier: tuple[Path, Path] | None = None) -> None:
-        spec = tmp / f"spec-{random.random()}.json"
-        self.up = spec.with_suffix(".up")
-        spec.write_text(json.dumps({"model": model, "config": str(config), "block_size": BS,
-                                    "steps": [{"op": "signal", "file": str(self.up)}, *steps]}))
-        self.log = spec.with_suffix(".log")
-        argv = [str(STEPS), str(spec)]
-        if barrier is not None:
-            argv = ["-c", BARRIER, str(barrier[0]), str(barrier[1]), *argv]
-        self.started = time.monotonic()
-        # A session of its own: a hung engine is ended with its whole group (by its pid).
-        self.proc = subprocess.Popen([sys.executable, *argv], stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=60)
-
-    def tail(self) -> str:
-        return self.log.read_text()[-4000:]
-
-    def wait_up(self, limit: float) -> float:
-        """Seconds from launch until the engine could serve; fails (ending it) past ``limit``."""
-        while not self.up.exists():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the engine exited before it came up:\n{self.tail()}")
-            if time.monotonic() - self.started > limit:
-                self.kill()
-                raise AssertionError(f"the engine did not come up within {limit:.0f} s (hung in its "
-                                     f"start-up scan of the tier folder?):\n{self.tail()}")
-            time.sleep(0.05)
-        return time.monotonic() - self.started
-
-    def results(self) -> list[dict]:
-        """The step results, without the leading signal."""
-        try:
-            rc = self.proc.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the engine did not finish:\n{self.tail()}") from None
-        assert rc == 0, f"the engine failed:\n{self.tail()}"
-        line = next(ln for ln in self.log.read_text().splitlines() if ln.startswith("RESULT "))
-        return json.loads(line[len("RESULT "):])[1:]
 
 
 def l2_config(tmp: Path, l2: Path, remote: Path | None = None) -> Path:
@@ -206,7 +156,7 @@ def _servable_blocks(l2: Path) -> int:
     return n
 
 
-def _wait_for(done, engines: list[Engine], timeout: float, what: str) -> None:
+def _wait_for(done, engines: list[StepEngine], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         for e in engines:
@@ -339,24 +289,25 @@ def test_vllm_serves_from_a_planted_tier_folder_and_check_fix_touches_nothing_fo
     kvstrata does not own is still there, unchanged."""
     l2, outside = tmp_path / "l2", tmp_path / "outside"
     cfg = l2_config(tmp_path, l2)
-    first = Engine(model, tmp_path, cfg, [gen(LONG), *[gen(LONG, salt=s) for s in CANDIDATES]])
-    usual = first.wait_up(600)
-    stored = first.results()
-    assert all(r["tokens"] == baseline["long"] for r in stored)
+    with StepEngine(model, tmp_path, cfg, name="first") as first:
+        usual = first.wait_ready(600)
+        stored = first.run([gen(LONG), *[gen(LONG, salt=s) for s in CANDIDATES]])
+    assert all(r["tokens"] == baseline(LONG) for r in stored)
 
     roles, keep, replaceable = _plant(l2, outside)
     before = _outside(outside)
     tracked = _atime_tracked(tmp_path)
     atimes = _age_atimes([outside / rel for rel in before] + [outside])
 
-    second = Engine(model, tmp_path, cfg, [gen(LONG), *[gen(LONG, salt=roles[r]) for r in "XYZ"], {"op": "counters"}])
-    up = second.wait_up(2 * usual + 30)
-    served, *hidden, counters = second.results()
-    assert served["tokens"] == baseline["long"] and served["cached"] == len(LONG) - 1
+    with StepEngine(model, tmp_path, cfg, name="second") as second:
+        up = second.wait_ready(2 * usual + 30)  # else hung in its start-up scan of the tier folder
+        served, *hidden, counters = second.run([gen(LONG), *[gen(LONG, salt=roles[r]) for r in "XYZ"],
+                                                {"op": "counters"}])
+    assert served["tokens"] == baseline(LONG) and served["cached"] == len(LONG) - 1
     assert counters.get("hit_blocks_l2") == BLOCKS  # LONG, all from disk; nothing else was served
     for role, out in zip("XYZ", hidden):
         assert out["cached"] == 0, f"{role}: a block reachable only through a planted entry was served"
-        assert out["tokens"] == baseline["long"], role
+        assert out["tokens"] == baseline(LONG), role
     assert counters.get("l2_skipped_entries", 0) >= 1 and counters.get("l2_other_versions") == 1
 
     report = cli_check(cfg)
@@ -387,32 +338,25 @@ def test_two_vllm_servers_started_at_the_same_moment_on_one_new_shared_folder_bo
     block of both prompts, intact, in 256 real shard folders."""
     new = tmp_path / "new"
     cfg = l2_config(tmp_path, new / "l2", new / "shared")
-    go = tmp_path / "go"
-
-    def steps(mine: str, theirs: str) -> list[dict]:
-        return [gen(LONG, salt=mine), {"op": "signal", "file": str(tmp_path / f"{mine}_generated")},
-                {"op": "wait", "file": str(go)}, gen(LONG, salt=theirs), {"op": "counters"}]
-
     gates = tmp_path / "gate-a", tmp_path / "gate-b"
-    engines = [Engine(model, tmp_path, cfg, steps("a", "b"), gates),
-               Engine(model, tmp_path, cfg, steps("b", "a"), gates[::-1])]
+    engines = [StepEngine(model, tmp_path, cfg, name=n, prefix=["-c", BARRIER, str(me), str(peer)])
+               for n, me, peer in (("a", *gates), ("b", *gates[::-1]))]
     try:
-        ups = [e.wait_up(600) for e in engines]
-        _wait_for(lambda: all((tmp_path / f"{n}_generated").exists() for n in "ab"), engines, 300,
-                  "both prompts served")
+        ups = [e.wait_ready(600) for e in engines]
+        owns = [e.run([gen(LONG, salt=n)])[0] for n, e in zip("ab", engines)]
         # Saves reach the folders in the background: go on once both hold both prompts.
         _wait_for(lambda: all(_servable_blocks(f) == 2 * BLOCKS for f in (new / "l2", new / "shared")), engines, 60,
                   f"{2 * BLOCKS} blocks in each shared folder")
-        go.touch()
-        outs = [e.results() for e in engines]
+        outs = [(own, *e.run([gen(LONG, salt=theirs), {"op": "counters"}]))
+                for own, e, theirs in zip(owns, engines, "ba")]
     finally:
         for e in engines:
-            e.kill()
+            e.close()
     assert all(Path(f"{g}.1").exists() for g in gates), "both engines opened both folders through the barrier"
-    for name, (own, _, _, other, counters) in zip("ab", outs):
-        assert own["cached"] == 0 and own["tokens"] == baseline["long"], name
+    for name, (own, other, counters) in zip("ab", outs):
+        assert own["cached"] == 0 and own["tokens"] == baseline(LONG), name
         assert other["cached"] == len(LONG) - 1, f"engine {name} did not hit what the other stored"
-        assert other["tokens"] == baseline["long"], name
+        assert other["tokens"] == baseline(LONG), name
         assert counters.get("hit_blocks_l2", 0) + counters.get("hit_blocks_remote", 0) == BLOCKS, counters
 
     from kvstrata.check import check_disk

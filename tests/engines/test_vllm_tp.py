@@ -4,28 +4,23 @@
   KVOutputAggregator (the object that merges the ranks' worker metadata of a step), in-process,
   with no model run: a save is visible only after every rank has copied its shard, a failure on
   one rank aborts it, and a load keeps its pin until every rank has copied the blocks out.
-- The real engine at ``tensor_parallel_size=2`` on CPU (tests/engines/vllm_tp_steps.py; one
-  worker process per rank, one core each): greedy outputs equal a TP=2 run without kvstrata, cold,
+- The real engine at ``tensor_parallel_size=2`` on CPU (``StepEngine(tp=2)``; one worker
+  process per rank, one core each): greedy outputs equal a TP=2 run without kvstrata, cold,
   after vLLM's own prefix cache is reset (L1 hit) and in a fresh engine on the same disk (L2 hit).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from engines.conftest import BS, FORK_A, FORK_B, LONG, SHARED, StepEngine, disk_config
+
 pytest.importorskip("vllm")
 
-from test_vllm import BS, FORK_A, FORK_B, LONG, ROOT, SHARED, model  # noqa: F401,E402  (model is a fixture)
-
 TP = 2
-TP_STEPS = ROOT / "tests" / "engines" / "vllm_tp_steps.py"
 PROMPTS = [LONG, FORK_A, FORK_B]  # one batch: the forks share 9 full blocks
 
 
@@ -192,17 +187,6 @@ def test_a_lookup_that_is_not_scheduled_gives_its_pin_back(harness):
 
 
 # ------------------------------------------------------------------ the real engine, TP=2
-def run_tp(model_dir: str, tmp: Path, config: Path | None, steps: list[dict]) -> list[dict]:
-    spec = tmp / f"spec-{random.random()}.json"
-    spec.write_text(json.dumps({"model": model_dir, "config": str(config) if config else None, "tp": TP,
-                                "block_size": BS, "steps": steps}))
-    res = subprocess.run([sys.executable, str(TP_STEPS), str(spec)], capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert res.returncode == 0 and line, f"TP={TP} engine run failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-    return json.loads(line[len("RESULT "):])
-
-
 GEN = {"op": "generate", "prompts": PROMPTS, "max_tokens": 8}
 
 
@@ -212,14 +196,19 @@ def tp_runs(model, tmp_path_factory) -> dict[str, list[dict]]:
     then again after vLLM's own prefix cache reset (L1); a fresh kvstrata engine on the first
     one's disk folder (L2)."""
     tmp = tmp_path_factory.mktemp("tp2")
-    cfg = tmp / "kvstrata.yaml"
-    cfg.write_text(f"l1:\n  size: 128MiB\nl2:\n  path: {tmp / 'l2'}\n")
-    return {
-        "baseline": run_tp(model, tmp, None, [GEN]),
-        "first": run_tp(model, tmp, cfg, [{"op": "arenas"}, GEN, {"op": "arenas"}, {"op": "counters"},
-                                          {"op": "reset"}, GEN, {"op": "counters"}]),
-        "second": run_tp(model, tmp, cfg, [GEN, {"op": "counters"}]),
-    }
+    cfg = disk_config(tmp)
+    arenas = {"op": "arenas", "children": False}  # the arena file is this process's (the scheduler's)
+
+    def engine(name: str, config: Path | None) -> StepEngine:
+        return StepEngine(model, tmp, config, name=name, tp=TP, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+    with engine("tp-baseline", None) as base, engine("tp-first", cfg) as first:  # started together
+        runs = {"baseline": base.run([GEN]),
+                "first": first.run([arenas, GEN, arenas, {"op": "counters"}, {"op": "reset"}, GEN,
+                                    {"op": "counters"}])}
+    with engine("tp-second", cfg) as second:
+        runs["second"] = second.run([GEN, {"op": "counters"}])
+    return runs
 
 
 @pytest.mark.timeout(1500)  # the first one starts three TP=2 engines (module fixture)

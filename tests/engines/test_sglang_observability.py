@@ -23,23 +23,14 @@ from typing import Any, Callable
 
 import pytest
 
-from test_sglang import (  # noqa: F401  (model: a fixture)
-    PAGE,
-    SGLANG_PY,
-    SHIMS,
-    _ids,
-    block_files,
-    model,
-    needs_sglang_env,
-    write_config,
-)
-
+from engines.conftest import PAGE, ids, needs_sglang, new_sglang_server, sglang_config, sglang_python
+from engines.test_sglang import block_files
 from kvstrata.metrics import METRICS
-from kvstrata.tools.sglang_server import SGLangServer, cpu_env, cpu_flags, find_python
+from kvstrata.tools.sglang_server import SGLangServer, SHIMS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "examples" / "grafana" / "kvstrata.json"
-IDS = _ids(41)  # 600 tokens: 37 full pages and an 8-token tail
+IDS = ids(41, 600)  # 600 tokens: 37 full pages and an 8-token tail
 FULL = len(IDS) // PAGE  # the prompt's full pages (SGLang also backs up the page its output completes)
 
 
@@ -72,15 +63,9 @@ def scrape_until(server: SGLangServer, ready: Callable[[str], bool], timeout: fl
 
 def run_scenario(model: str, tmp: Path, tier: str, **extra: Any) -> dict[str, Any]:
     """Start a server with metrics on, scrape, cold request, flush, hit (from ``tier``), scrape."""
-    cfg = write_config(tmp / "sglang.json", tmp / "l2", **extra)
-    args = ["--model-path", model, *cpu_flags(8192), "--page-size", str(PAGE),
-            "--enable-hierarchical-cache", "--hicache-ratio", "2",
-            "--hicache-storage-prefetch-policy", "wait_complete",
-            "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", f"@{cfg}",
-            "--enable-metrics"]
+    cfg = sglang_config(tmp / "sglang.json", tmp / "l2", **extra)
     out: dict[str, Any] = {"tmp": tmp, "cfg": cfg, "model": model}
-    with SGLangServer(find_python(), args, tmp / "server.log", cpu_env(ROOT / ".cache" / "sglang"),
-                      start_timeout=240, request_timeout=180) as server:
+    with new_sglang_server(model, cfg, tmp / "server.log", metrics=True) as server:
         out["m0"] = scrape_until(server, lambda t: "kvstrata_saved_blocks_total" in t)
         out["cold"] = server.generate(IDS, 8)
         deadline = time.monotonic() + 60
@@ -104,7 +89,7 @@ def served(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     return run_scenario(model, tmp_path_factory.mktemp("sglang-observability"), "l1")
 
 
-@needs_sglang_env
+@needs_sglang
 def test_series_exist_from_the_first_scrape_with_sglangs_labels(served):
     m0 = served["m0"]
     for m in METRICS:
@@ -115,7 +100,7 @@ def test_series_exist_from_the_first_scrape_with_sglangs_labels(served):
     assert 'tp_rank="0"' in line and 'pp_rank="0"' in line
 
 
-@needs_sglang_env
+@needs_sglang
 def test_a_hit_grows_the_hit_series_of_its_tier_by_the_pages_loaded(served):
     cold, hit, m1, m2 = served["cold"], served["hit"], served["m1"], served["m2"]
     assert cold.cached.get("storage", 0) == 0
@@ -133,7 +118,7 @@ def test_a_hit_grows_the_hit_series_of_its_tier_by_the_pages_loaded(served):
     assert grew("sglang:prefetch_pgs_sum") >= loaded
 
 
-@needs_sglang_env
+@needs_sglang
 def test_a_hit_from_the_disk_tier_grows_the_l2_series(model, tmp_path):
     """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight between
     the pool and their files, and the hit is read from disk."""
@@ -157,7 +142,7 @@ def test_a_hit_from_the_disk_tier_grows_the_l2_series(model, tmp_path):
     assert series(m1, "kvstrata_resident_blocks", tier="l1") == 0
 
 
-@needs_sglang_env
+@needs_sglang
 def test_histograms_have_samples_and_gauges_show_what_is_resident(served):
     m1, m2 = served["m1"], served["m2"]
     assert series(m1, "kvstrata_lookup_seconds_count") >= 1  # batch_exists before the backup
@@ -175,7 +160,7 @@ def test_histograms_have_samples_and_gauges_show_what_is_resident(served):
     assert series(m1, "kvstrata_bytes_written_total", tier="l2") > 0
 
 
-@needs_sglang_env
+@needs_sglang
 def test_every_kvstrata_metric_of_the_grafana_dashboard_is_in_the_sglang_scrape(served):
     names = set(re.findall(r"\b(kvstrata_[a-z_]+|sglang:[a-z_:]+)", GRAFANA.read_text()))
     scraped = {line.split("{")[0].split(" ")[0] for line in served["m2"].splitlines() if not line.startswith("#")}
@@ -184,7 +169,7 @@ def test_every_kvstrata_metric_of_the_grafana_dashboard_is_in_the_sglang_scrape(
     assert "label_values(kvstrata_saved_blocks_total, model_name)" in GRAFANA.read_text()
 
 
-@needs_sglang_env
+@needs_sglang
 def test_stats_names_the_model_the_sglang_server_stored(served):
     cfg = served["tmp"] / "kvstrata.json"  # JSON is YAML: the server's disk tier, kvstrata's part only
     cfg.write_text(json.dumps({"l2": json.loads(served["cfg"].read_text())["l2"]}))
@@ -230,9 +215,9 @@ print(json.dumps({"made_when_off": made_when_off,
 """
 
 
-@needs_sglang_env
+@needs_sglang
 def test_metrics_are_made_only_with_metrics_on_and_once_per_process(tmp_path):
-    res = subprocess.run([SGLANG_PY, "-c", _IN_PROCESS, str(SHIMS), str(tmp_path / "l2")], cwd=ROOT,
+    res = subprocess.run([sglang_python(), "-c", _IN_PROCESS, str(SHIMS), str(tmp_path / "l2")], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

@@ -5,9 +5,9 @@ weights are then overwritten with other values of the same shapes (same file nam
 same config.json: a fine-tune saved over the old files). The next engine start on the same disk
 tier must load nothing for that prompt and answer as the new weights do.
 
-The engines run through the harnesses of tests/test_vllm.py and tests/test_sglang.py, on a copy of
-their tiny model. The opposite case (unchanged weights: a fresh engine hits what the previous one
-stored) is test_vllm.py::test_second_engine_process_hits_what_the_first_stored and
+The engines start through the launchers of tests/engines/conftest.py, on a copy of the tiny model.
+The opposite case (unchanged weights: another engine hits what the previous one stored) is
+test_vllm.py::test_second_engine_process_hits_what_the_first_stored and
 test_sglang.py::test_second_server_hits_what_the_first_stored_and_never_serves_a_corrupt_page.
 """
 
@@ -16,24 +16,22 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-import test_sglang as sg
-from test_sglang import model  # noqa: F401  (fixture: builds the tiny model once)
-
-ROOT = Path(__file__).resolve().parents[1]
+from engines.conftest import BS, LONG, SGLangServers, StepEngine, disk_config, gen, ids, needs_sglang, run_once, \
+    sglang_config, sglang_generate, sglang_log
+from engines.test_sglang import block_files, stored
 # Each test starts two or three engines one after the other: about 25 s each on an idle machine,
 # two minutes when the 2 cores are shared, which the suite's 300 s per test would not cover.
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture
-def own_model(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:  # noqa: F811
+def own_model(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A private copy of the tiny model (its weights get replaced) and a private identity cache."""
     monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "identity-cache"))
-    return Path(shutil.copytree(ROOT / model, tmp_path / "model"))
+    return Path(shutil.copytree(model, tmp_path / "model"))
 
 
 def replace_weights_in_place(folder: Path) -> None:
@@ -56,22 +54,17 @@ def replace_weights_in_place(folder: Path) -> None:
     assert (after.st_size, after.st_ino) == (before.st_size, before.st_ino)
 
 
-def _vllm() -> ModuleType:
-    pytest.importorskip("vllm")
-    import test_vllm
-
-    return test_vllm
-
-
 def test_vllm_start_after_weights_replaced_in_place_loads_nothing_and_answers_as_the_new_weights(own_model, tmp_path):
-    v = _vllm()
-    model, cfg = str(own_model), v.config(tmp_path)
-    old = v.run(model, tmp_path, cfg, [v.gen(v.LONG)])[0]
-    assert len(list((tmp_path / "l2" / "blocks").glob("*/*.kvb"))) == len(v.LONG) // v.BS + 1
+    pytest.importorskip("vllm")
+    model, cfg = str(own_model), disk_config(tmp_path)
+    old = run_once(model, tmp_path, cfg, [gen(LONG)], name="old")[0]
+    assert len(list((tmp_path / "l2" / "blocks").glob("*/*.kvb"))) == len(LONG) // BS + 1
 
     replace_weights_in_place(own_model)
-    new = v.run(model, tmp_path, cfg, [v.gen(v.LONG)])[0]
-    reference = v.run(model, tmp_path, None, [v.gen(v.LONG)])[0]  # no connector, new weights
+    # Both start together: kvstrata on the same disk tier, and no connector (the new weights' answer).
+    with StepEngine(model, tmp_path, cfg, name="new") as after, StepEngine(model, tmp_path, None, name="ref") as ref:
+        new = after.run([gen(LONG)])[0]
+        reference = ref.run([gen(LONG)])[0]
     assert new["cached"] == 0
     assert new["tokens"] == reference["tokens"]
     assert new["tokens"] != old["tokens"]  # the new weights answer differently: stale KV would show
@@ -84,25 +77,25 @@ def _model_version(server_log: str) -> str:
     return found[0]
 
 
-@sg.needs_sglang_env
+@needs_sglang
 def test_sglang_start_after_weights_replaced_in_place_loads_nothing_and_answers_as_the_new_weights(own_model, tmp_path):
     """SGLang's harness always runs with the storage backend, so the reference for the new weights
     is the first request after the change: it reuses nothing (no storage, host or device tokens),
     which is what a server without the backend does. Both servers established a trusted identity."""
-    servers = sg.Servers(str(own_model), tmp_path)
-    config = sg.write_config(tmp_path / "sglang.json", tmp_path / "l2")
-    ids = sg._ids(11)
+    servers = SGLangServers(str(own_model), tmp_path)
+    config = sglang_config(tmp_path / "sglang.json", tmp_path / "l2")
+    prompt = ids(11, 600)
     try:
         server = servers.get(config)
-        old, _ = sg.stored(server, ids, sg.block_files(config))
-        old_version = _model_version(server.log())
+        old, _ = stored(server, config, prompt, block_files(config))
+        old_version = _model_version(sglang_log(server))
         servers.stop()
 
         replace_weights_in_place(own_model)
         server = servers.get(config)
-        new = server.generate(ids)
+        new = sglang_generate(server, prompt)
         assert (new["storage"], new["host"], new["device"]) == (0, 0, 0)
         assert new["tokens"] != old["tokens"]  # the new weights answer differently: stale KV would show
-        assert _model_version(server.log()) != old_version
+        assert _model_version(sglang_log(server)) != old_version
     finally:
         servers.stop()

@@ -8,15 +8,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from test_vllm import ROOT, model  # noqa: F401 - model is a fixture
-
 pytest.importorskip("vllm")
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def test_bench_ttft_vllm_loads_all_but_the_last_token_with_the_cold_output(model):  # noqa: F811
+
+def test_bench_ttft_vllm_loads_all_but_the_last_token_with_the_cold_output(model):
     res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "bench", "ttft", "--engine", "vllm",
                           "--model", model, "--configs", "cold,l1,l2,l3", "--rounds", "1",
                           "--prompt-tokens", "500", "--json"],

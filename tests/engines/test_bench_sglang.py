@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-from test_sglang import ROOT, SGLANG_PY, model, needs_sglang_env  # noqa: F401 - model is a fixture
+from engines.conftest import needs_sglang, sglang_python
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TTFT_FIELDS = ("cold_ms", "native_hit_ms", "l2_hit_ms", "peer_hit_ms", "hit_fraction", "outputs_identical",
                "cold_over_l2", "l2_over_peer", "overhead_ratio", "details")
@@ -20,8 +23,8 @@ STORE_FIELDS = ("sglang_file_get_gbps", "sglang_file_set_gbps", "strata_sglang_g
                 "strata_over_file_get", "strata_over_file_set")
 
 
-@needs_sglang_env
-def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(model):  # noqa: F811
+@needs_sglang
+def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(model):
     res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "bench", "ttft", "--engine", "sglang",
                           "--model", model, "--rounds", "1", "--prompt-tokens", "600", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -37,9 +40,9 @@ def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(
     assert out["details"]["cached_tokens"]["peer"][0]["storage"] >= 0.9 * 600
 
 
-@needs_sglang_env
+@needs_sglang
 def test_store_comparison_with_sglang_file_backend_reports_positive_rates():
-    res = subprocess.run([SGLANG_PY, "-m", "kvstrata.tools.bench.store_sglang", "--quick", "--json"],
+    res = subprocess.run([sglang_python(), "-m", "kvstrata.tools.bench.store_sglang", "--quick", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
