@@ -258,7 +258,7 @@ class PolledEpochs(EpochStore):
         self._known: dict[bytes, tuple[int, float]] = {}  # seed -> (generation, when its read was sent)
         self._pending: dict[bytes, int] = {}  # seed -> a bumped generation not written yet
         self._recheck: set[bytes] = set()  # announced changes: re-read at the next use
-        self._private: dict[bytes, int] = {}  # never confirmed: saves nobody else can see
+        self._private: dict[bytes, int] = {}  # never read (see ``_unread``)
 
     @abstractmethod
     def _read(self, ns_seed: bytes) -> int | None:
@@ -318,17 +318,20 @@ class PolledEpochs(EpochStore):
         with self._lock:
             return self._known.get(ns_seed)
 
-    def get(self, ns_seed: bytes) -> int:
-        current = self._current(ns_seed)
-        if current is not None:
-            return current[0]
+    def _unread(self, ns_seed: bytes) -> int:
+        """The generation of a namespace never read: private to this process (its saves are
+        seen by nobody, and it is never served)."""
         with self._lock:
             return self._private.setdefault(ns_seed, new_generation())
+
+    def get(self, ns_seed: bytes) -> int:
+        current = self._current(ns_seed)
+        return self._unread(ns_seed) if current is None else current[0]
 
     def lookup_generation(self, ns_seed: bytes, since: float) -> tuple[int, bool]:
         current = self._current(ns_seed)
         if current is None:
-            return self.get(ns_seed), False
+            return self._unread(ns_seed), False
         gen, sent = current
         if sent == -math.inf:  # a bump not written yet: nothing of the namespace is served
             return gen, False
