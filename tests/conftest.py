@@ -128,15 +128,18 @@ def store_factory(tmp_path: Path):
 
 # ------------------------------------------------------------------ pytest-xdist work groups
 # ``make test`` runs two workers with ``--dist loadgroup``: a group runs whole on one worker. Each
-# test file is a group (its module fixtures start once), the files that share the session's vLLM
-# engine pair are one, and every SGLang test is in one (one SGLang server at a time).
-SHARED_GROUPS = {"test_vllm": "vllm-pair", "test_vllm_stats": "vllm-pair"}
+# test file is a group (its module fixtures start once); the files that share the session's vLLM
+# engine pair are one; the vLLM benchmarks are one (one at a time); every SGLang test is in one (one
+# SGLang server at a time). xdist reads the groups in its own collection hook: these come first.
+SHARED_GROUPS = {"engines/test_vllm": "vllm-pair", "engines/test_vllm_stats": "vllm-pair",
+                 "engines/test_bench_serve": "vllm-bench", "engines/test_bench_ttft": "vllm-bench"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        module = Path(str(item.fspath)).stem
-        sglang = "/engines/" in item.nodeid and "sglang" in item.nodeid.rsplit("/", 1)[-1]
+        module = item.nodeid.split("::", 1)[0].removeprefix("tests/").removesuffix(".py")
+        sglang = module.startswith("engines/") and "sglang" in item.nodeid.rsplit("/", 1)[-1]
         item.add_marker(pytest.mark.xdist_group("sglang" if sglang else SHARED_GROUPS.get(module, module)))
 
 

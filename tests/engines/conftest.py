@@ -98,6 +98,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.engine)
 
 
+# ------------------------------------------------------------------------- kvstrata commands
+def run_command(args: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(args, capture_output=True, text=True)``, but past ``timeout`` the command
+    gets SIGINT first (a kvstrata command then stops the engines it started, each in a session of
+    its own) and SIGKILL only 60 s later; the test then fails with what it printed."""
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            pytest.fail(f"{' '.join(args[:6])} ... did not finish within {timeout:.0f} s:\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
 # ----------------------------------------------------------------------------------- model
 def tiny_model() -> str:
     """The tiny model's folder, built if missing: ``.cache/models/tiny-<builder hash>``, so a
@@ -482,5 +501,5 @@ def sglang_log(server: SGLangServer) -> str:
 
 
 __all__ = ["BS", "FORK_A", "FORK_B", "LONG", "PAGE", "SHARED", "Baselines", "EngineFailed", "StepEngine",
-           "SGLangServers", "VllmServer", "delta", "disk_config", "gen", "ids", "needs_sglang", "new_sglang_server", "run_once",
+           "SGLangServers", "VllmServer", "delta", "disk_config", "gen", "ids", "needs_sglang", "new_sglang_server", "run_command", "run_once",
            "salt", "sglang_config", "sglang_generate", "sglang_log", "start_vllm_server", "tiny_model"]

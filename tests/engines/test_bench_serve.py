@@ -4,11 +4,15 @@ servers, a few seconds of requests); its JSON, its plot and that kvstrata hits."
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from engines.conftest import run_command
+
+# A benchmark starts engines one after the other (up to eight): slow on 2 shared cores.
+pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "connector" / "tools" / "data" / "conversation_sample.jsonl"
@@ -22,7 +26,7 @@ def test_bench_serve_on_vllm_reports_every_config_and_kvstrata_hits(model, tmp_p
            "--json", "--plot", str(png), "--work", str(tmp_path / "work"),
            # a device cache that holds one prompt, so the second conversation evicts the first
            "--max-prompt-tokens", "1024", "--device-tokens", "1536"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    res = run_command(cmd, timeout=850, cwd=tmp_path)
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     lines = res.stdout.strip().splitlines()
     assert lines[0].startswith("# kvstrata bench serve") and "| config |" in res.stdout

@@ -8,11 +8,15 @@ Both need the SGLang environment (``scripts/setup_sglang.sh``); the servers run 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from engines.conftest import needs_sglang, sglang_python
+import pytest
+
+from engines.conftest import needs_sglang, run_command, sglang_python
+
+# A benchmark starts engines one after the other (up to eight): slow on 2 shared cores.
+pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +29,9 @@ STORE_FIELDS = ("sglang_file_get_gbps", "sglang_file_set_gbps", "strata_sglang_g
 
 @needs_sglang
 def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(model):
-    res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "bench", "ttft", "--engine", "sglang",
-                          "--model", model, "--rounds", "1", "--prompt-tokens", "600", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = run_command([sys.executable, "-m", "kvstrata.cli", "bench", "ttft", "--engine", "sglang",
+                      "--model", model, "--rounds", "1", "--prompt-tokens", "600", "--json"],
+                      cwd=ROOT, timeout=850)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     # overhead_ratio is null only when the file backend was not slower than a device hit
@@ -42,8 +46,8 @@ def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(
 
 @needs_sglang
 def test_store_comparison_with_sglang_file_backend_reports_positive_rates():
-    res = subprocess.run([sglang_python(), "-m", "kvstrata.tools.bench.store_sglang", "--quick", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = run_command([sglang_python(), "-m", "kvstrata.tools.bench.store_sglang", "--quick", "--json"],
+                      cwd=ROOT, timeout=850)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert all(out[f] > 0 for f in STORE_FIELDS), {f: out.get(f) for f in STORE_FIELDS}

@@ -6,22 +6,26 @@ the cold run's greedy outputs."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from engines.conftest import run_command
+
 pytest.importorskip("vllm")
+
+# A benchmark starts engines one after the other (up to eight): slow on 2 shared cores.
+pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_ttft_vllm_loads_all_but_the_last_token_with_the_cold_output(model):
-    res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "bench", "ttft", "--engine", "vllm",
-                          "--model", model, "--configs", "cold,l1,l2,l3", "--rounds", "1",
-                          "--prompt-tokens", "500", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    res = run_command([sys.executable, "-m", "kvstrata.cli", "bench", "ttft", "--engine", "vllm",
+                      "--model", model, "--configs", "cold,l1,l2,l3", "--rounds", "1",
+                      "--prompt-tokens", "500", "--json"],
+                      cwd=ROOT, timeout=850)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert not out["details"]["errors"], out["details"]["errors"]

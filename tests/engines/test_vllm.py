@@ -8,14 +8,13 @@ config, separate processes, a slow disk) starts its own.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, FORK_A, FORK_B, LONG, SHARED, delta, disk_config, gen, run_once, salt
+from engines.conftest import BS, FORK_A, FORK_B, LONG, SHARED, delta, disk_config, gen, run_command, run_once, salt
 
 pytest.importorskip("vllm")
 
@@ -138,11 +137,12 @@ def test_connector_name_alone_works_through_the_plugin_entry_point(disk_pair, ba
     assert out[2]["cached"] == len(LONG) - 1 and out[2]["tokens"] == baseline(LONG)
 
 
+@pytest.mark.timeout(900)  # two server starts, on 2 cores shared with another test worker
 def test_demo_serves_the_prompt_from_disk_after_a_restart(model, tmp_path):
     """Scenario: the README's main job, on the real OpenAI server, end to end."""
-    res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "demo", "--model", model, "--config",
-                          str(disk_config(tmp_path)), "--prompt-tokens", "1000"],
-                         capture_output=True, text=True, timeout=900)
+    res = run_command([sys.executable, "-m", "kvstrata.cli", "demo", "--model", model, "--config",
+                      str(disk_config(tmp_path)), "--prompt-tokens", "1000"],
+                      timeout=850)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "greedy outputs identical: True" in " ".join(res.stdout.split())
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
