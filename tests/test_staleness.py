@@ -129,11 +129,11 @@ def test_a_late_reply_confirms_from_when_it_was_sent_not_when_it_arrived():
 def test_a_retired_generation_is_not_used_after_the_bound_while_polls_fail():
     epochs = Shared()
     seed = b"s" * 16
-    assert epochs.lookup_generation(seed, time.monotonic()) == (11, True)
+    start = time.monotonic()
+    assert epochs.lookup_generation(seed, start) == (11, True)  # its read was sent after ``start``
     epochs.down = True
     epochs.value = 12  # retired elsewhere while this process cannot read
-    within = time.monotonic()
-    assert epochs.lookup_generation(seed, within) == (11, True)  # within the bound: allowed
+    assert epochs.lookup_generation(seed, start + 0.09) == (11, True)  # within the bound: allowed
     time.sleep(0.12)
     assert epochs.lookup_generation(seed, time.monotonic())[1] is False
     epochs.down = False
