@@ -64,15 +64,20 @@ def wait_until(what: Callable[[], bool], timeout: float = 10.0) -> bool:
     return False
 
 
-def watch_lookups(store: BlockStore, seconds: float) -> list[tuple[float, int]]:
-    """(start time, blocks found) of lookups of the prompt, back to back for ``seconds``."""
-    out = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+def reset_elsewhere_is_not_served(a: BlockStore, b: BlockStore, seconds: float) -> None:
+    """``b`` resets the namespace while ``a`` cannot reach the shared state: of ``a``'s lookups of
+    the prompt, back to back for ``seconds``, none that starts past the bound finds a block, and
+    ``a`` counts the misses."""
+    assert b.invalidate(NS.seed) is not None
+    reset_at = time.monotonic()
+    seen = []
+    while time.monotonic() < reset_at + seconds:
         started = time.monotonic()
-        out.append((started, store.lookup(NS, tokens()).num_blocks))
+        seen.append((started, a.lookup(NS, tokens()).num_blocks))
         time.sleep(0.005)
-    return out
+    late = [n for started, n in seen if started > reset_at + BOUND_S]
+    assert late and not any(late), seen
+    assert a.counters.get("unconfirmed_generation_misses") > 0
 
 
 # ----------------------------------------------------------------------------- the clock rule
@@ -206,12 +211,7 @@ def test_a_reset_elsewhere_is_not_served_past_the_bound_while_redis_is(tmp_path,
         store_prompt(a)
         assert a.lookup(NS, tokens()).num_blocks == 4
         proxy.set_mode(mode)
-        assert b.invalidate(NS.seed) is not None
-        reset_at = time.monotonic()
-        seen = watch_lookups(a, 1.0)
-        late = [n for started, n in seen if started > reset_at + BOUND_S]
-        assert late and not any(late), seen
-        assert a.counters.get("unconfirmed_generation_misses") > 0
+        reset_elsewhere_is_not_served(a, b, 1.0)
         proxy.set_mode("pass")
         assert wait_until(lambda: a.lookup(NS, tokens(1)).epoch == b.current_epoch(NS))
         assert a.lookup(NS, tokens()).num_blocks == 0  # the old generation, on A's own disk
@@ -290,12 +290,7 @@ def test_a_shared_folder_that_goes_away_costs_hits_never_a_retired_generation(tm
         store_prompt(a)
         assert a.lookup(NS, tokens()).num_blocks == 4
         mount.unlink()
-        assert b.invalidate(NS.seed) is not None
-        reset_at = time.monotonic()
-        seen = watch_lookups(a, 0.5)
-        late = [n for started, n in seen if started > reset_at + BOUND_S]
-        assert late and not any(late), seen
-        assert a.counters.get("unconfirmed_generation_misses") > 0
+        reset_elsewhere_is_not_served(a, b, 0.5)
         mount.symlink_to(shared)
         assert wait_until(lambda: a.lookup(NS, tokens(1)).epoch == b.current_epoch(NS))
         assert a.lookup(NS, tokens()).num_blocks == 0
