@@ -14,7 +14,7 @@ demo:
 
 test:
 	scripts/setup.sh test
-	.venv/bin/python -m pytest -n 2 --dist loadgroup --durations=20
+	.venv/bin/python -m pytest -n 2 --durations=20
 
 bench:
 	scripts/setup.sh test

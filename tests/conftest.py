@@ -127,20 +127,31 @@ def store_factory(tmp_path: Path):
 
 
 # ------------------------------------------------------------------ pytest-xdist work groups
-# ``make test`` runs two workers with ``--dist loadgroup``: a group runs whole on one worker. Each
-# test file is a group (its module fixtures start once); the files that share the session's vLLM
-# engine pair are one; the vLLM benchmarks are one (one at a time); every SGLang test is in one (one
-# SGLang server at a time). xdist reads the groups in its own collection hook: these come first.
+# ``make test`` runs two pytest-xdist workers; a group of tests runs whole on one worker, the
+# groups in collection order (the engine tests first). Each test file is a group (its module
+# fixtures start once); the files that share the session's vLLM engine pair are one; the vLLM
+# benchmarks are one (one at a time); every SGLang test is in one (one SGLang server at a time).
+# (xdist's own ``--dist loadgroup`` does not group under pytest 9: it renames ``item._nodeid``,
+# which pytest 9 no longer reports.)
 SHARED_GROUPS = {"engines/test_vllm": "vllm-pair", "engines/test_vllm_stats": "vllm-pair",
                  "engines/test_bench_serve": "vllm-bench", "engines/test_bench_ttft": "vllm-bench"}
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        module = item.nodeid.split("::", 1)[0].removeprefix("tests/").removesuffix(".py")
-        sglang = module.startswith("engines/") and "sglang" in item.nodeid.rsplit("/", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group("sglang" if sglang else SHARED_GROUPS.get(module, module)))
+def work_group(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0].removeprefix("tests/").removesuffix(".py")
+    if module.startswith("engines/") and "sglang" in nodeid.rsplit("/", 1)[-1]:
+        return "sglang"
+    return SHARED_GROUPS.get(module, module)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_group(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 # ------------------------------------------------------------------------- engine start count

@@ -399,7 +399,7 @@ def vllm_server(model: str, tmp_path: Path) -> Iterator[Callable[..., VllmServer
 
 
 # ---------------------------------------------------------------------------- SGLang server
-SGLANG_START_TIMEOUT = 240
+SGLANG_START_TIMEOUT = 480  # 2 cores shared with the other test worker
 SGLANG_REQUEST_TIMEOUT = 180
 
 

@@ -21,6 +21,9 @@ from engines.conftest import (PAGE, SGLangServers, ids, needs_sglang, new_sglang
                               sglang_generate, sglang_log, sglang_python)
 from kvstrata.tools.sglang_server import SGLangServer, SGLangUnavailable
 
+# Server starts take minutes on 2 cores shared with the other test worker.
+pytestmark = pytest.mark.timeout(900)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -28,6 +28,9 @@ from engines.test_sglang import block_files
 from kvstrata.metrics import METRICS
 from kvstrata.tools.sglang_server import SGLangServer, SHIMS
 
+# Server starts take minutes on 2 cores shared with the other test worker.
+pytestmark = pytest.mark.timeout(900)
+
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "examples" / "grafana" / "kvstrata.json"
 IDS = ids(41, 600)  # 600 tokens: 37 full pages and an 8-token tail
