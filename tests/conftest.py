@@ -127,14 +127,12 @@ def store_factory(tmp_path: Path):
 
 
 # ------------------------------------------------------------------ pytest-xdist work groups
-# ``make test`` runs two pytest-xdist workers; a group of tests runs whole on one worker, the
-# groups in collection order (the engine tests first). Each test file is a group (its module
-# fixtures start once); the files that share the session's vLLM engine pair are one; the vLLM
-# benchmarks are one (one at a time); every SGLang test is in one (one SGLang server at a time).
-# (xdist's own ``--dist loadgroup`` does not group under pytest 9: it renames ``item._nodeid``,
-# which pytest 9 no longer reports.)
-SHARED_GROUPS = {"engines/test_vllm": "vllm-pair", "engines/test_vllm_stats": "vllm-pair",
-                 "engines/test_bench_serve": "vllm-bench", "engines/test_bench_ttft": "vllm-bench"}
+# ``make test`` runs two pytest-xdist workers; a group of tests runs whole on one worker, and the
+# groups go out in collection order: the long engine groups first, the unit test files after them
+# as fillers. Each test file is a group (its module fixtures start once); the vLLM benchmarks are
+# one (one at a time); every SGLang test is in one (one SGLang server at a time). (xdist's own ``--dist loadgroup`` does not
+# group under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reports.)
+SHARED_GROUPS = {"engines/test_bench_serve": "vllm-bench", "engines/test_bench_ttft": "vllm-bench"}
 
 
 def work_group(nodeid: str) -> str:
@@ -144,6 +142,7 @@ def work_group(nodeid: str) -> str:
     return SHARED_GROUPS.get(module, module)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent where it is not installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
@@ -151,6 +150,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return work_group(nodeid)
 
+    config.option.loadscopereorder = False  # collection order (engines first), not the largest group first
     return GroupScheduling(config, log)
 
 

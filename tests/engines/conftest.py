@@ -327,9 +327,9 @@ def baseline(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
     b.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def disk_pair(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StepEngine, StepEngine]]:
-    """Two engines, up together, on one L2 folder (``a.config``'s): ``a`` finds the connector by
+    """Two engines of the module (test_vllm.py), up together, on one L2 folder (``a.config``'s): ``a`` finds the connector by
     its name alone (the plugin entry point) and stages disk hits inside the lookup; ``b`` names
     the module and stages every disk hit in the background (``l1.stage_inline_bytes: 0``). Tests
     isolate themselves with fresh cache salts; a prompt one stored is a disk hit for the other."""
