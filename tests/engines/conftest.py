@@ -37,6 +37,7 @@ count at the end of the session.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -123,8 +124,11 @@ def tiny_model() -> str:
     change of the builder makes a new one and an unchanged builder reuses it across runs."""
     digest = hashlib.sha1(BUILDER.read_bytes()).hexdigest()[:12]
     out = ROOT / ".cache" / "models" / f"tiny-{digest}"
-    if not (out / "config.json").exists():  # the builder renames a complete folder into place
-        subprocess.run([sys.executable, str(BUILDER), str(out), "--preset", "tiny"], check=True, timeout=600)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".build.lock", "w") as lock:  # one build when test workers start together
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():  # the builder renames a complete folder into place
+            subprocess.run([sys.executable, str(BUILDER), str(out), "--preset", "tiny"], check=True, timeout=600)
     return str(out)
 
 
