@@ -51,7 +51,7 @@ def store_prompt(store: BlockStore, seed: int = 0) -> None:
 
     epoch, chain = store.chain(NS, tokens(seed))
     rows = [np.frombuffer(k * (SIZE // 16), np.uint8) for k in chain.keys]
-    assert store.save(NS, epoch, chain, torch.from_numpy(np.stack(rows).copy()), wait=True) == 4
+    assert store.save_now(NS, epoch, chain, torch.from_numpy(np.stack(rows).copy())) == 4
     store.flush()
 
 

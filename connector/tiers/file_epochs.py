@@ -130,7 +130,12 @@ class FileEpochs(PolledEpochs):
 
     def known(self) -> list[bytes]:
         out = []
-        for p in self._root.iterdir():
+        try:
+            names = list(self._root.iterdir())
+        except OSError as e:
+            log.warning("kvstrata epochs: cannot list %s: %s", self._root, e)
+            return []
+        for p in names:
             if len(p.name) == 32 and not p.name.startswith("."):
                 try:
                     out.append(bytes.fromhex(p.name))

@@ -412,7 +412,7 @@ class Actor:
         payload = torch.from_numpy(payloads_of(chain.keys))
         self.tally.add("saves")
         if sync:
-            return self.store.save(ns, epoch, chain, payload, wait=True)
+            return self.store.save_now(ns, epoch, chain, payload)
         self.store.save(ns, epoch, chain, payload)
         return 0
 
@@ -429,7 +429,7 @@ class Actor:
                 self.buf = np.empty((n, PAYLOAD_BYTES), np.uint8)
             out = self.buf[:n]
             out.fill(SENTINEL)
-            got = self.store.load(hit, torch.from_numpy(out))
+            got = self.store.load_into(hit, torch.from_numpy(out))
         finally:
             self.store.complete_load(hit)
         self.tally.add("loads")
