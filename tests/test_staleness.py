@@ -25,7 +25,8 @@ import redis
 import redisutil
 from kvstrata import BlockStore, Namespace
 from kvstrata.config import load_config
-from kvstrata.epochs import PolledEpochs, Retired, T
+from kvstrata.epochs import Retired
+from kvstrata.polled_epochs import PolledEpochs, T
 from kvstrata.tools.netfault import FaultyProxy
 
 NS = Namespace("test", "tiny", "v1", "bfloat16", "4x[2,16,64]", 16)

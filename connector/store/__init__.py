@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from ..config import StrataConfig
-from ..describe import MAX_BYTES as DESCRIPTOR_MAX, decode as decode_descriptor, encode as encode_descriptor
+from ..describe import MAX_BYTES as DESCRIPTOR_MAX, encode as encode_descriptor
 from ..epochs import EpochStore
 from ..index import BlockIndex
 from ..keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, root_key, rooted_digests
@@ -40,6 +39,7 @@ from .evict import Evictor
 from .load import Loader
 from .lookup import Lookup
 from .parts import open_parts
+from . import report, served
 from .recovery import Recovery
 from .protocol import Arena, ByteRuns, Hit, Reservation, StoreProtocol
 from .write import Payloads, Writer
@@ -208,7 +208,7 @@ class BlockStore:
         (None if the job failed); False, and nothing queued, when the queue is full. Timed from
         now to the end of the job (its wait in the queue included)."""
         self._serving()
-        started, sample = time.perf_counter(), self._load_sample(hit)
+        started, sample = time.perf_counter(), served.load_sample(self._parts, hit)
 
         def done(n: int | None) -> None:
             self._parts.counters.observe(sample, time.perf_counter() - started)
@@ -218,32 +218,16 @@ class BlockStore:
 
     def _timed(self, hit: Hit, load: Callable[[], int]) -> int:
         self._serving()
-        started, sample = time.perf_counter(), self._load_sample(hit)
+        started, sample = time.perf_counter(), served.load_sample(self._parts, hit)
         n = load()
         self._parts.counters.observe(sample, time.perf_counter() - started)
         return n
 
-    def _load_sample(self, hit: Hit) -> str:
-        """``load_seconds_<the outermost tier a load of hit may read>``."""
-        origins = self.origins(hit)
-        order = list(self.tier_bits)
-        return f"load_seconds_{max(origins, key=order.index, default=order[0])}"
-
     def origins(self, hit: Hit) -> list[str]:
         """Per block of ``hit``, the tier a load serves it from now: ``l1`` where resident in an L1
         slot, else the first backing tier that holds it (``l1`` for a block no tier holds any
-        more: the load stops before it). One pass per tier, not per block."""
-        p = self._parts
-        slots = p.l1.slots_of(hit.chain.keys)
-        bits = np.asarray(hit.tiers, dtype=np.int64)
-        which = np.zeros(len(bits), dtype=np.int8)
-        todo = np.fromiter((s is None for s in slots), dtype=bool, count=len(bits))
-        for i, tier in enumerate(p.backing, 1):
-            on = todo & ((bits & tier.bit) != 0)
-            which[on] = i
-            todo &= ~on
-        names = [tier.name for tier in p.tiers]
-        return [names[i] for i in which.tolist()]
+        more: the load stops before it)."""
+        return served.origins(self._parts, hit)
 
     def count_served(self, origins: Sequence[str], tokens: Sequence[int], *, copied_from_l1: bool = True,
                      l1_bytes: int = 0) -> None:
@@ -253,17 +237,7 @@ class BlockStore:
         ``stage``) ``hit_blocks_l1`` for them (blocks of backing tiers were counted by the reads
         that brought them in, and ``load_into``/``load_runs`` count their own); ``l1_bytes_read``
         bytes the engine copied out of L1 slots; and ``served_tokens``, all of them."""
-        counters = self._parts.counters
-        counters.inc("served_tokens", sum(tokens))
-        per_tier: dict[str, int] = {}
-        for tier, n in zip(origins, tokens):
-            per_tier[tier] = per_tier.get(tier, 0) + n
-        for tier, n in per_tier.items():
-            counters.inc(f"hit_tokens_{tier}", n)
-        if copied_from_l1 and "l1" in per_tier:
-            counters.inc("hit_blocks_l1", sum(1 for tier in origins if tier == "l1"))
-        if l1_bytes:
-            counters.inc("l1_bytes_read", l1_bytes)
+        served.count_served(self._parts, origins, tokens, copied_from_l1, l1_bytes)
 
     # ----------------------------------------------------------------- store
     def prepare_store(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
@@ -368,44 +342,18 @@ class BlockStore:
         """The recorded namespaces, by seed (default: every namespace the store knows), read back
         as untrusted input: a descriptor that does not hash to its namespace is skipped, logged and
         counted (``bad_descriptors``)."""
-        out: dict[bytes, Namespace] = {}
-        for seed in self.namespaces() if seeds is None else seeds:
-            raw = self._parts.epochs.descriptor(seed)
-            if raw is None:
-                continue
-            ns = decode_descriptor(raw, seed)
-            if ns is None:
-                self._parts.counters.inc("bad_descriptors")
-                log.warning("kvstrata: ignoring the descriptor of namespace %s: %d bytes that do not describe "
-                            "it (damaged, or not written by kvstrata)", seed[:8].hex(), len(raw))
-            else:
-                out[seed] = ns
-        return out
+        return report.descriptors(self._parts, self.namespaces() if seeds is None else seeds)
 
     def resident(self) -> dict[str, int]:
         """``<tier>_resident_blocks`` and ``<tier>_resident_bytes`` for every tier: the gauges both
         adapters export. One vectorized count over the index (a byte per row), cheap enough for
         every engine step; unlike ``stats`` it reads nothing from disk or the network."""
-        bits = self._parts.index.tiers_of(slice(None))  # type: ignore[arg-type]
-        out: dict[str, int] = {}
-        for tier in self._parts.tiers:
-            out[f"{tier.name}_resident_blocks"] = int(np.count_nonzero(bits & tier.bit))
-            out[f"{tier.name}_resident_bytes"] = int(tier.used_bytes)
-        return out
+        return report.resident(self._parts)
 
     def stats(self) -> dict[str, object]:
-        p = self._parts
-        census = p.index.census([t.bit for t in p.tiers])  # vectorized: seconds saved at millions of blocks
-        tiers = {t.name: {"blocks": census.per_tier[t.bit][0], "bytes": census.per_tier[t.bit][1],
-                          "capacity_bytes": t.capacity_bytes} for t in p.tiers}
-        spaces: dict[str, dict[str, dict[str, int]]] = {}
-        for (seed, epoch), (blocks, nbytes) in sorted(census.per_epoch.items()):
-            spaces.setdefault(seed[:8].hex(), {})[f"{epoch:016x}"] = {"blocks": blocks, "bytes": nbytes}
-        seeds = sorted(set(census.seeds) | set(p.epochs.known()))
-        current = {s[:8].hex(): f"{p.epochs.get(s):016x}" for s in seeds}
-        described = {s[:8].hex(): asdict(ns) for s, ns in self.descriptors(seeds).items()}
-        return {"tiers": tiers, "namespaces": spaces, "current_epochs": current,
-                "descriptors": described, "counters": p.counters.snapshot()}
+        """Tiers, blocks and bytes per namespace and generation, current generations, descriptors
+        and counters (``kvstrata stats``)."""
+        return report.stats(self._parts)
 
     def close(self) -> None:
         if self._parts.recovery is not None:

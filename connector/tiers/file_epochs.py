@@ -11,8 +11,9 @@ import stat
 from pathlib import Path
 from typing import Callable
 
-from ..epochs import (PolledEpochs, Retired, T, new_generation, parse_generation, read_descriptor, read_head,
+from ..epochs import (Retired, new_generation, parse_generation, read_descriptor, read_head,
                       temp_name, write_atomic, write_descriptor, write_new)
+from ..polled_epochs import PolledEpochs, T
 from .folder import make_folder
 
 log = logging.getLogger(__name__)
