@@ -61,7 +61,7 @@ def config_check(args: argparse.Namespace) -> int:
 def _await_count(store: BlockStore, timeout: float | None, bar: ShardBar) -> bool:
     """Wait for the background count of L2's folder (``wait_recovered``), up to ``timeout``
     seconds (None: until done), showing its progress; True if it finished."""
-    recovery = store.parts.recovery
+    recovery = store.recovery
     if recovery is None or recovery.done:
         return True
     bar.stage("counting the disk tier")
@@ -85,7 +85,7 @@ def stats(args: argparse.Namespace) -> int:
         with shard_bar(not args.json) as bar:
             counted = _await_count(store, args.wait, bar)
         data = store.stats()
-        recovery = store.parts.recovery
+        recovery = store.recovery
         if not counted and recovery is not None:  # L2 is counted shard by shard: say what is known
             share = max(recovery.shards, 1) / 256
             l2 = data["tiers"]["l2"]  # type: ignore[index]
@@ -132,8 +132,8 @@ def invalidate(args: argparse.Namespace) -> int:
             generation = store.invalidate(seed)
             if generation is None:
                 failed.append(ns_id)
-                print(f"{ns_id}: NOT invalidated: the new generation could not be written to the shared tier",
-                      file=sys.stderr)
+                print(f"{ns_id}: NOT invalidated: the new generation could not be written where the engines read "
+                      "it (the shared tier, or the epochs folder; the log line above says why)", file=sys.stderr)
             else:
                 print(f"{ns_id}: new generation {generation:016x}")
             if ns is not None:
@@ -141,7 +141,7 @@ def invalidate(args: argparse.Namespace) -> int:
                       f"tenant {ns.tenant or '-'}")
     if failed:
         print(f"kvstrata invalidate: {len(failed)} of {len(wanted)} namespace(s) not invalidated "
-              f"({', '.join(failed)}); other instances keep serving them: run it again once the shared tier answers",
+              f"({', '.join(failed)}); the engines keep serving them: run it again once that is fixed",
               file=sys.stderr)
         return 1
     return 0

@@ -154,6 +154,15 @@ def chain_digests(root: bytes, digests: Sequence[bytes], ntok: int) -> BlockChai
     return BlockChain(keys, [root, *keys[:-1]], fps, [ntok] * len(keys))
 
 
+def rooted_digests(root: bytes, digests: Sequence[bytes], ntok: int) -> BlockChain:
+    """Keys for blocks whose engine digests already chain the whole prefix (SGLang's page hash):
+    block i is keyed by ``xxh3_128(root || digest_i)``, under ``root`` alone rather than under
+    block i-1, so that it is found whatever the engine still caches before it."""
+    data = [root + d for d in digests]
+    return BlockChain([_h128(x) for x in data], [root] * len(data), [_h64(x, FP_SEED) for x in data],
+                      [ntok] * len(data))
+
+
 def block_key(parent: bytes, tokens: np.ndarray, extra: bytes = NO_EXTRA) -> tuple[bytes, int]:
     """Key and fingerprint of one block (full or partial) after ``parent``."""
     data = parent + as_tokens(tokens).tobytes() + extra

@@ -82,13 +82,13 @@ def store_prompt(store: BlockStore, ns: Namespace, tokens: Sequence[int] | np.nd
 
     Returns the chain and the number of blocks newly stored."""
     epoch, chain = store.chain(ns, tokens)
-    return chain, store.save(ns, epoch, chain, payloads_for(chain, size), wait=True)
+    return chain, store.save_now(ns, epoch, chain, payloads_for(chain, size))
 
 
 def load_hit(store: BlockStore, hit: Hit, size: int = BLOCK_BYTES) -> tuple[int, torch.Tensor]:
     """Load a hit into a fresh zeroed buffer; returns (blocks loaded, buffer)."""
     out = torch.zeros((hit.num_blocks, size), dtype=torch.uint8)
-    return store.load(hit, out), out
+    return store.load_into(hit, out), out
 
 
 def assert_payloads_match(keys: Iterable[bytes], out: torch.Tensor, n: int,

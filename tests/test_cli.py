@@ -35,7 +35,7 @@ def fill(path: Path, prompts: int = 3) -> None:
     with BlockStore(load_config(path)) as store:
         for p in range(prompts):
             epoch, chain = store.chain(NS, np.arange(p * 1000, p * 1000 + 40))
-            store.save(NS, epoch, chain, torch.full((len(chain.keys), 1024), p, dtype=torch.uint8), wait=True)
+            store.save_now(NS, epoch, chain, torch.full((len(chain.keys), 1024), p, dtype=torch.uint8))
 
 
 def test_replay_serves_only_correct_blocks_and_hits_across_processes(tmp_path):

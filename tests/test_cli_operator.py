@@ -63,7 +63,7 @@ def fill(cfg: Path, spaces: list[Namespace]) -> None:
             for p in range(PROMPTS):
                 epoch, chain = store.chain(ns, prompt(p))
                 src = torch.full((len(chain.keys), SIZE), p, dtype=torch.uint8)
-                assert store.save(ns, epoch, chain, src, wait=True) == len(chain.keys)
+                assert store.save_now(ns, epoch, chain, src) == len(chain.keys)
 
 
 def hit_blocks(cfg: Path, ns: Namespace) -> int:
@@ -150,6 +150,23 @@ def test_invalidate_unknown_model_fails_naming_it_and_bumps_nothing(two_models):
     assert A.model in res.stderr and b.model in res.stderr  # what could have been meant
     assert json.loads(ok("stats", "--config", str(cfg), "--json"))["current_epochs"] == before
     assert hit_blocks(cfg, A) == 3 * PROMPTS
+
+
+def test_invalidate_where_the_epochs_cannot_be_written_fails_clearly(two_models):
+    """Scenario: model A's epoch file is a folder nobody can replace (a planted one; as root no
+    mode bit stops a write). The command names the namespace and why, exits 1, and the other
+    model is invalidated as asked."""
+    cfg, b = two_models
+    epochs = cfg.parent / "l2" / "epochs"
+    blocker = epochs / A.seed.hex()
+    blocker.unlink()
+    (blocker / "planted").mkdir(parents=True)
+    res = kvstrata("invalidate", "--config", str(cfg), "--model", A.model, "--model", b.model)
+    assert res.returncode == 1, res
+    assert f"{A.id}: NOT invalidated" in res.stderr and "1 of 2" in res.stderr, res.stderr
+    assert str(blocker) in res.stderr  # the log line says what could not be written
+    assert f"{b.id}: new generation" in res.stdout
+    assert hit_blocks(cfg, b) == 0 and hit_blocks(cfg, A) == 0  # A: its generation cannot be confirmed
 
 
 def test_invalidate_without_a_choice_bumps_nothing(two_models):

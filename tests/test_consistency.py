@@ -32,7 +32,7 @@ def test_epoch_state_loss_never_makes_invalidated_blocks_valid_again(tmp_path, n
     with BlockStore(make_config(tmp_path)) as writer:
         store_prompt(writer, ns, tokens)
     bumper = BlockStore(make_config(tmp_path / "other"))  # a store that never saw those blocks
-    bumper.parts.epochs = FileEpochs(tmp_path / "l2" / "epochs")  # ... shares only the epochs
+    bumper._parts.epochs = FileEpochs(tmp_path / "l2" / "epochs")  # ... shares only the epochs
     bumper.invalidate(ns.seed)
     bumper.close()
     shutil.rmtree(tmp_path / "l2" / "epochs")
@@ -66,7 +66,7 @@ def test_a_restored_retired_generation_is_refused(tmp_path, ns):
         store_prompt(a, ns, tokens)
         backup = epoch_file.read_bytes()
     bumper = BlockStore(make_config(tmp_path / "other"))
-    bumper.parts.epochs = FileEpochs(tmp_path / "l2" / "epochs")
+    bumper._parts.epochs = FileEpochs(tmp_path / "l2" / "epochs")
     bumper.invalidate(ns.seed)
     bumper.close()
     epoch_file.write_bytes(backup)  # the restore
@@ -125,7 +125,7 @@ def test_lookup_pin_race_never_serves_another_blocks_bytes(tmp_path, ns):
         while time.monotonic() < stop:
             tokens = prompts[rng.integers(len(prompts))]
             epoch, chain = store.chain(ns, tokens)
-            store.save(ns, epoch, chain, payloads_for(chain), wait=True)
+            store.save_now(ns, epoch, chain, payloads_for(chain))
 
     def loader(seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -196,7 +196,7 @@ def test_two_tails_of_one_length_under_one_parent_survive_each_others_eviction(s
 
     row = store.index.rows_of([chain_one.keys[-1]])[0]
     for tier in store.tiers:  # evict tail one everywhere, as capacity enforcement would
-        store.evictor.drop_from(tier, int(row))
+        store._evictor.drop_from(tier, int(row))
     assert store.lookup(ns, one_more).num_tokens == BLOCK_SIZE
     hit = store.lookup(ns, two_more)
     assert hit.num_tokens == BLOCK_SIZE + 5
@@ -204,6 +204,6 @@ def test_two_tails_of_one_length_under_one_parent_survive_each_others_eviction(s
     assert n == 2 and torch.equal(out[1], payload_for(chain_two.keys[-1]))
 
     with BlockStore(make_config(store.config.l2.path.parent)) as fresh:  # adopts from disk
-        fresh.parts.index = BlockIndex()  # forget the recovery scan: find it through the tail marker
+        fresh._parts.index = BlockIndex()  # forget the recovery scan: find it through the tail marker
         assert fresh.lookup(ns, two_more).num_tokens == BLOCK_SIZE + 5
         assert fresh.lookup(ns, one_more).num_tokens == BLOCK_SIZE

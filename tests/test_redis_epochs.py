@@ -42,7 +42,7 @@ def store_prompt(store: BlockStore) -> list[bytes]:
 
     epoch, chain = store.chain(NS, tokens())
     rows = [np.frombuffer(k * (SIZE // 16), np.uint8) for k in chain.keys]
-    assert store.save(NS, epoch, chain, torch.from_numpy(np.stack(rows).copy()), wait=True) == 4
+    assert store.save_now(NS, epoch, chain, torch.from_numpy(np.stack(rows).copy())) == 4
     store.flush()
     return chain.keys
 

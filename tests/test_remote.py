@@ -54,11 +54,11 @@ def test_second_instance_hits_and_loads_what_the_first_stored(tmp_path, backend)
     tokens = prompt(1)
     epoch, chain = a.chain(NS, tokens)
     expected = payloads(chain)
-    a.save(NS, epoch, chain, expected, wait=True)
+    a.save_now(NS, epoch, chain, expected)
     hit = b.lookup(NS, tokens)
     assert hit.num_tokens == len(tokens)  # every block, the partial tail included
     out = torch.zeros_like(expected)
-    assert b.load(hit, out) == len(chain.keys)
+    assert b.load_into(hit, out) == len(chain.keys)
     assert torch.equal(out, expected)
     assert b.counters.get("hit_blocks_remote") == len(chain.keys)
     b.flush()
@@ -73,7 +73,7 @@ def test_invalidation_reaches_the_other_instance_within_the_bound(tmp_path, back
     a, b = store(tmp_path, "a", backend), store(tmp_path, "b", backend)
     tokens = prompt(2)
     epoch, chain = a.chain(NS, tokens)
-    a.save(NS, epoch, chain, payloads(chain), wait=True)
+    a.save_now(NS, epoch, chain, payloads(chain))
     assert b.lookup(NS, tokens).num_blocks == len(chain.keys)
     a.invalidate(NS.seed)
     start = time.monotonic()
@@ -90,7 +90,7 @@ def test_lookup_of_a_64_block_prefix_costs_at_most_two_round_trips(tmp_path, red
     a, b = store(tmp_path, "a", {"url": redis_url}), store(tmp_path, "b", {"url": redis_url})
     tokens = prompt(3, 64 * 16 + 5)
     epoch, chain = a.chain(NS, tokens)
-    a.save(NS, epoch, chain, payloads(chain), wait=True)
+    a.save_now(NS, epoch, chain, payloads(chain))
     server = redis.Redis.from_url(redis_url)
     server.ping()
     b.lookup(NS, prompt(99))  # connections are open, as between requests
@@ -124,12 +124,12 @@ def test_payload_evicted_by_redis_is_a_miss_not_an_error(tmp_path, redis_url):
     a, b = store(tmp_path, "a", {"url": redis_url}), store(tmp_path, "b", {"url": redis_url})
     tokens = prompt(4, 8 * 16)
     epoch, chain = a.chain(NS, tokens)
-    a.save(NS, epoch, chain, payloads(chain), wait=True)
+    a.save_now(NS, epoch, chain, payloads(chain))
     server = redis.Redis.from_url(redis_url)
     server.delete(f"kvstrata:{{{chain.keys[5].hex()}}}:p")  # what allkeys-lru may do
     hit = b.lookup(NS, tokens)
     out = torch.zeros((hit.num_blocks, SIZE), dtype=torch.uint8)
-    assert b.load(hit, out) == 5
+    assert b.load_into(hit, out) == 5
     assert torch.equal(out[:5], payloads(chain)[:5])
     a.close()
     b.close()
@@ -139,7 +139,7 @@ def test_corrupted_remote_payload_is_dropped_and_counted(tmp_path, redis_url):
     a, b = store(tmp_path, "a", {"url": redis_url}), store(tmp_path, "b", {"url": redis_url})
     tokens = prompt(5, 8 * 16)
     epoch, chain = a.chain(NS, tokens)
-    a.save(NS, epoch, chain, payloads(chain), wait=True)
+    a.save_now(NS, epoch, chain, payloads(chain))
     server = redis.Redis.from_url(redis_url)
     name = f"kvstrata:{{{chain.keys[3].hex()}}}:p"
     value = bytearray(server.get(name))
@@ -149,7 +149,7 @@ def test_corrupted_remote_payload_is_dropped_and_counted(tmp_path, redis_url):
     hit = b.lookup(NS, tokens)
     assert hit.num_blocks == 6  # the garbage index entry ends the chain
     out = torch.zeros((hit.num_blocks, SIZE), dtype=torch.uint8)
-    assert b.load(hit, out) == 3
+    assert b.load_into(hit, out) == 3
     assert b.counters.get("checksum_failures") == 1
     assert not server.exists(name)
     a.close()
@@ -162,14 +162,14 @@ def test_dead_redis_never_fails_a_request_and_hits_resume_after_restart(tmp_path
         a = store(tmp_path, "a", cfg)
         tokens = prompt(6, 16 * 16)
         epoch, chain = a.chain(NS, tokens)
-        a.save(NS, epoch, chain, payloads(chain), wait=True)
+        a.save_now(NS, epoch, chain, payloads(chain))
         redisutil.stop(procs.pop())
         b = store(tmp_path, "b", cfg)  # starts while Redis is down
         start = time.monotonic()
         for _ in range(20):
             assert b.lookup(NS, tokens).num_blocks == 0  # no error, just a miss
         e2, c2 = b.chain(NS, prompt(7, 4 * 16))
-        assert b.save(NS, e2, c2, payloads(c2), wait=True) == 4  # local tiers keep working
+        assert b.save_now(NS, e2, c2, payloads(c2)) == 4  # local tiers keep working
         assert time.monotonic() - start < 3.0  # one timeout, then the breaker skips Redis
         assert b.counters.get("remote_circuit_opened") >= 1
         procs.append(redisutil.start(port, tmp_path / "redis"))  # empty: the restart lost everything
@@ -177,7 +177,7 @@ def test_dead_redis_never_fails_a_request_and_hits_resume_after_restart(tmp_path
         deadline = time.monotonic() + 5
         e3, c3 = a.chain(NS, fresh)
         while True:  # A's breaker may still be open: its saves resume after the backoff
-            a.save(NS, e3, c3, payloads(c3), wait=True)
+            a.save_now(NS, e3, c3, payloads(c3))
             if b.lookup(NS, fresh).num_blocks:
                 break
             assert time.monotonic() < deadline, "hits did not resume after Redis came back"
@@ -193,7 +193,7 @@ def test_fs_gc_keeps_capacity_and_spares_leased_blocks(tmp_path):
     a = store(tmp_path, "a", shared)
     for seed in range(4):
         epoch, chain = a.chain(NS, prompt(10 + seed, 10 * 16))
-        a.save(NS, epoch, chain, payloads(chain), wait=True)
+        a.save_now(NS, epoch, chain, payloads(chain))
     files = list((tmp_path / "shared" / "blocks").glob("*/*.kvb"))
     assert len(files) == 40
     assert a.remote is not None and a.remote.sweep(lease_s=3600) == 0  # all leased (fresh)
@@ -224,5 +224,5 @@ def test_engine_save_path_publishes_to_the_shared_tier_without_l2(tmp_path, back
         hit = b.lookup(NS, tokens)
         assert hit.num_blocks == 8
         out = torch.zeros((8, SIZE), dtype=torch.uint8)
-        assert b.load(hit, out) == 8
+        assert b.load_into(hit, out) == 8
         assert torch.equal(out, payloads(chain))

@@ -86,7 +86,7 @@ def shared(tmp_path, url):
     with open_store(tmp_path, "writer", url) as writer:
         epoch, s.chain = writer.chain(NS, s.tokens)
         s.expected = payloads(s.chain)
-        assert writer.save(NS, epoch, s.chain, s.expected, wait=True) == 8
+        assert writer.save_now(NS, epoch, s.chain, s.expected) == 8
         writer.flush()
     yield s
     for store in s.opened:
@@ -97,7 +97,7 @@ def load(store: BlockStore, tokens: np.ndarray) -> tuple[int, int, torch.Tensor]
     """(blocks found, blocks loaded, buffer) of a lookup and load of ``tokens``."""
     hit = store.lookup(NS, tokens)
     out = torch.zeros((hit.num_blocks, SIZE), dtype=torch.uint8)
-    return hit.num_blocks, store.load(hit, out), out
+    return hit.num_blocks, store.load_into(hit, out), out
 
 
 def forged(meta, **changes) -> tuple[bytes, bytes]:
@@ -130,7 +130,7 @@ def test_epoch_key_of_another_type_is_counted_and_replaced_not_an_error(tmp_path
     assert counters.get("remote_wrong_type") == 1
     assert counters.get("remote_errors", 0) == 0 and counters.get("remote_circuit_opened", 0) == 0
     epoch, chain = b.chain(NS, prompt(2))  # and the shared tier still carries blocks
-    assert b.save(NS, epoch, chain, payloads(chain), wait=True) == 8
+    assert b.save_now(NS, epoch, chain, payloads(chain)) == 8
     b.flush()
     assert shared.reader("c").lookup(NS, prompt(2)).num_blocks == 8
 
@@ -166,7 +166,7 @@ def test_tail_set_of_another_type_is_replaced_when_a_tail_is_saved(tmp_path, url
         epoch, chain = writer.chain(NS, tokens)
         client = redis.Redis.from_url(url)
         client.set(t_name(chain.parents[-1]), b"not a set")
-        assert writer.save(NS, epoch, chain, payloads(chain), wait=True) == 5
+        assert writer.save_now(NS, epoch, chain, payloads(chain)) == 5
         writer.flush()
         assert writer.counters.get("remote_wrong_type") == 1
         assert writer.counters.get("remote_errors") == 0
@@ -194,7 +194,7 @@ def test_tail_set_members_that_are_not_token_counts_are_skipped_and_counted(tmp_
     tokens = prompt(6, 4 * 16 + 5)
     with open_store(tmp_path, "writer", url) as writer:
         epoch, chain = writer.chain(NS, tokens)
-        assert writer.save(NS, epoch, chain, payloads(chain), wait=True) == 5
+        assert writer.save_now(NS, epoch, chain, payloads(chain)) == 5
         writer.flush()
     client = redis.Redis.from_url(url)
     client.sadd(t_name(chain.parents[-1]), "abc", "-1", "0", "1" * 5000, str(1 << 64), "\xff")
@@ -235,7 +235,7 @@ def test_one_block_of_another_size_ends_the_hit_there_when_staged(tmp_path, url,
                  "remote.enabled": True, "remote.url": url}
     with BlockStore(load_config(None, overrides), l1_slot_bytes=SIZE) as b:
         hit = b.lookup(NS, shared.tokens, pin=True)
-        staged = b.load(hit)
+        staged = b.stage(hit)
         b.complete_load(hit)
         assert b.counters.get("adopt_wrong_size") >= 1
     assert hit.num_blocks == 5 and staged == 5
@@ -344,7 +344,7 @@ def test_value_of_another_type_is_counted_deleted_and_saved_again(tmp_path, shar
     assert b.counters.get("remote_wrong_type") == 1 and b.counters.get("remote_missing") == 0
     assert not shared.client.exists(p_name(key), i_name(key))
     epoch, chain = b.chain(NS, shared.tokens)
-    b.save(NS, epoch, chain, shared.expected, wait=True)  # the engine recomputes and saves what it missed
+    b.save_now(NS, epoch, chain, shared.expected)  # the engine recomputes and saves what it missed
     b.flush()
     found, loaded, out = load(shared.reader("c"), shared.tokens)
     assert (found, loaded) == (8, 8) and torch.equal(out, shared.expected)
@@ -360,7 +360,7 @@ def test_index_entry_of_another_type_is_a_miss_repaired_by_the_next_save(tmp_pat
     assert b.lookup(NS, shared.tokens).num_blocks == 5
     assert b.counters.get("remote_errors") == 0
     epoch, chain = b.chain(NS, shared.tokens)
-    b.save(NS, epoch, chain, shared.expected, wait=True)
+    b.save_now(NS, epoch, chain, shared.expected)
     b.flush()
     assert shared.client.type(i_name(key)) == b"string"
     found, loaded, out = load(shared.reader("c"), shared.tokens)

@@ -25,7 +25,8 @@ import redis
 import redisutil
 from kvstrata import BlockStore, Namespace
 from kvstrata.config import load_config
-from kvstrata.epochs import PolledEpochs, Retired, T
+from kvstrata.epochs import Retired
+from kvstrata.polled_epochs import PolledEpochs, T
 from kvstrata.tools.netfault import FaultyProxy
 
 NS = Namespace("test", "tiny", "v1", "bfloat16", "4x[2,16,64]", 16)
@@ -51,7 +52,7 @@ def store_prompt(store: BlockStore, seed: int = 0) -> None:
 
     epoch, chain = store.chain(NS, tokens(seed))
     rows = [np.frombuffer(k * (SIZE // 16), np.uint8) for k in chain.keys]
-    assert store.save(NS, epoch, chain, torch.from_numpy(np.stack(rows).copy()), wait=True) == 4
+    assert store.save_now(NS, epoch, chain, torch.from_numpy(np.stack(rows).copy())) == 4
     store.flush()
 
 

@@ -41,7 +41,7 @@ def _fill(root: Path, ns: Namespace, prompts: range, **overrides: object) -> Non
     with BlockStore(cfg) as store:
         for i in prompts:
             epoch, chain = store.chain(ns, _prompt(i))
-            assert store.save(ns, epoch, chain, payloads_for(chain, SIZE), wait=True) == PROMPT_BLOCKS
+            assert store.save_now(ns, epoch, chain, payloads_for(chain, SIZE)) == PROMPT_BLOCKS
 
 
 def _full_scan(root: Path) -> tuple[int, int, int]:
@@ -88,7 +88,7 @@ def test_reopened_store_over_50k_blocks_serves_before_its_scan_and_then_counts_e
     assert blocks == 50_000
     with BlockStore(make_config(root, **{"l1.size": 1 << 20, "l2.size": 1 << 30})) as store:
         used = [_serve(store, ns, i) for i in (0, 250, 499)]
-        assert not store.parts.recovery.done, "the lookups waited for the scan"
+        assert not store.recovery.done, "the lookups waited for the scan"
         assert store.wait_recovered(120)
         stats = store.stats()
         assert stats["tiers"]["l2"] == {"blocks": blocks, "bytes": payload, "capacity_bytes": 1 << 30}
@@ -113,9 +113,9 @@ store = BlockStore(make_config(sys.argv[2], **{"l1.size": 1 << 20, "l2.size": 1 
 ns = make_namespace()
 tokens = np.arange(10 * 16, dtype=np.uint32) + 7
 epoch, chain = store.chain(ns, tokens)
-print("saved", store.save(ns, epoch, chain, payloads_for(chain, 64), wait=True), flush=True)
+print("saved", store.save_now(ns, epoch, chain, payloads_for(chain, 64)), flush=True)
 while True:
-    print("shards", store.parts.recovery.shards, flush=True)
+    print("shards", store.recovery.shards, flush=True)
     time.sleep(0.05)
 """
 
@@ -193,7 +193,7 @@ def test_capacity_holds_while_the_folder_is_still_being_counted(tmp_path, monkey
         stored = 0
         for i in range(1000, 1040):  # 40 prompts: twice the capacity
             epoch, chain = store.chain(ns, _prompt(i))
-            stored += store.save(ns, epoch, chain, payloads_for(chain, SIZE), wait=True)
+            stored += store.save_now(ns, epoch, chain, payloads_for(chain, SIZE))
             assert store.l2.used_bytes <= capacity
             assert _folder_bytes(tmp_path) <= capacity, f"over l2.size after prompt {i}"
         assert stored == 40 * PROMPT_BLOCKS  # L1 took them all; L2 only what fitted
@@ -265,7 +265,7 @@ def test_an_invalidation_during_the_scan_reclaims_the_old_generation_everywhere(
     monkeypatch.setattr(recovery, "PAUSE_S", 0.005)
     with BlockStore(make_config(tmp_path, **{"l1.size": 1 << 20, "l2.size": 1 << 30})) as store:
         store.invalidate(ns.seed)
-        assert not store.parts.recovery.done
+        assert not store.recovery.done
         assert list((tmp_path / "l2" / "blocks").rglob("*.kvb")), "nothing left for the scan to find"
         assert store.wait_recovered(60)
         assert not list((tmp_path / "l2" / "blocks").rglob("*.kvb"))
@@ -289,7 +289,7 @@ def test_stats_count_every_namespace_generation_and_tier_like_a_loop_over_the_en
                 assert pinned.num_blocks == 30
                 store.invalidate(b.seed)
             epoch, chain = store.chain(ns, _prompt(i)[: 30 * 16])
-            store.save(ns, epoch, chain, payloads_for(chain, size), wait=True)
+            store.save_now(ns, epoch, chain, payloads_for(chain, size))
         store.flush()
         expect_tiers = {t.name: [0, 0] for t in store.tiers}
         expect_spaces: dict[str, dict[str, list[int]]] = {}

@@ -222,7 +222,7 @@ def test_load_of_unpinned_hit_evicted_before_load_reports_zero_blocks(store_fact
     assert not any(_in_l1(store, k) for k in chain.keys)
 
     out = torch.zeros((2, BLOCK_BYTES), dtype=torch.uint8)
-    assert store.load(hit, out) == 0
+    assert store.load_into(hit, out) == 0
 
 
 # ---------------------------------------------------------------------------- demotion
@@ -545,7 +545,7 @@ def test_load_never_serves_a_colliding_block_that_replaced_the_hit(store_factory
     assert stored == 1
 
     out = torch.zeros((1, BLOCK_BYTES), dtype=torch.uint8)
-    n = store.load(hit, out)
+    n = store.load_into(hit, out)
     assert not torch.equal(out[0], payload_for(y_chain.keys[0])), "served Y's bytes for X"
     assert n == 0 or torch.equal(out[0], payload_for(x_chain.keys[0]))
 
@@ -610,7 +610,7 @@ def test_lookup_hits_the_longest_stored_prefix(shared_pair, base, stored, querie
     query_seqs = [base[:cut] + suffix for cut, suffix in queries] + stored_seqs
     for s in stored_seqs:
         epoch, chain = writer.chain(ns, s)
-        writer.save(ns, epoch, chain, payloads_for(chain, 64), wait=True)
+        writer.save_now(ns, epoch, chain, payloads_for(chain, 64))
     for q in query_seqs:
         want = _expected_hit(stored_seqs, q, _SMALL_BS)
         event("miss" if not want else "ends in a partial tail" if want % _SMALL_BS

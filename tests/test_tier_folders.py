@@ -496,7 +496,7 @@ def _full_disk_scenario(root: Path, fill: Callable[[], None], free: Callable[[],
                 prompts = [random_tokens(f"{tag}-{i}", 4 * BLOCK_SIZE) for i in range(4)]
                 for tokens in prompts:
                     epoch, chain = store.chain(ns, tokens)
-                    store.save(ns, epoch, chain, payloads_for(chain, BIG), wait=True)
+                    store.save_now(ns, epoch, chain, payloads_for(chain, BIG))
                 for tokens in prompts:  # every request is still served, with exact bytes
                     hit = store.lookup(ns, tokens)
                     n, out = load_hit(store, hit, BIG)
@@ -665,9 +665,9 @@ def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
                 data = payloads_for(chain)
                 if path == "direct":
                     runs = ByteRuns(BLOCK_BYTES, lambda k: [memoryview(data[k].numpy())])
-                    assert store.save(ns, epoch, chain, runs, wait=True) == 6
+                    assert store.save_runs(ns, epoch, chain, runs) == 6
                 else:
-                    store.save(ns, epoch, chain, data, wait=True)
+                    store.save_now(ns, epoch, chain, data)
         finally:
             stop.set()
             sampler.join()

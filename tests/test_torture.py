@@ -26,11 +26,11 @@ def loaded(tmp_path, tokens):
     spec = {"l2": str(tmp_path / "l2")}
     with BlockStore(store_config(spec, 128)) as store:
         epoch, chain = store.chain(NS, tokens)
-        store.save(NS, epoch, chain, torch.from_numpy(payloads_of(chain.keys)), wait=True)
+        store.save_now(NS, epoch, chain, torch.from_numpy(payloads_of(chain.keys)))
         started = time.monotonic_ns()
         hit = store.lookup(NS, tokens, pin=True)
         out = np.full((hit.num_blocks, PAYLOAD_BYTES), 0xA5, np.uint8)
-        got = store.load(hit, torch.from_numpy(out))
+        got = store.load_into(hit, torch.from_numpy(out))
         store.complete_load(hit)
     assert got == hit.num_blocks == len(chain.keys)
     return hit, out, started

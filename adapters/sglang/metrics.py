@@ -13,9 +13,6 @@ made with metrics off.
 Labels: ``model_name`` (the served name, as on SGLang's own series), ``tp_rank``, ``pp_rank``,
 ``dp_rank`` and SGLang's ``--extra-metric-labels``. The metric families are made once per process
 (prometheus_client refuses a name registered twice); each backend binds its own label values.
-
-Also here: the tier each page of a load is served from (``origins``) and the per-tier hit and
-load-latency figures derived from it (``count_load``), as the vLLM adapter counts them.
 """
 
 from __future__ import annotations
@@ -24,14 +21,13 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 from kvstrata.metrics import FigureCollector, bind_series, feed_series, make_series
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    from kvstrata.store import BlockStore, Hit
+    from kvstrata.store import BlockStore
 
 log = logging.getLogger(__name__)
 
@@ -103,35 +99,3 @@ class StorageSeries:
         figures = self.collector.collect(snapshot)
         if figures is not None and self.children:
             feed_series(self.children, figures)
-
-
-def origins(store: "BlockStore", hit: "Hit", slots: list[int | None]) -> np.ndarray:
-    """Per page of the pinned ``hit``: the index in ``store.tiers`` of the tier it is served from
-    (L1 where resident, else the first backing tier that holds it). One pass per tier, not per page."""
-    bits = np.asarray(hit.tiers, dtype=np.int64)
-    out = np.zeros(len(bits), dtype=np.int8)
-    todo = np.fromiter((s is None for s in slots), dtype=bool, count=len(bits))
-    for i, tier in enumerate(store.tiers[1:], 1):
-        on = todo & ((bits & tier.bit) != 0)
-        out[on] = i
-        todo &= ~on
-    return out
-
-
-def count_load(store: "BlockStore", origin: np.ndarray, loaded: int, page_tokens: int, page_bytes: int,
-               seconds: float, *, staged: bool) -> None:
-    """``hit_tokens_<tier>`` for the ``loaded`` leading pages, one ``load_seconds_<tier>`` sample
-    labelled by the outermost tier the load read, and ``l1_bytes_read``: the pages copied out of L1
-    slots (all of them when ``staged`` through L1, else those served from L1). ``hit_blocks_<tier>``
-    and the backing tiers' bytes are counted by the store's reads and the adapter's L1 copies."""
-    if not len(origin):
-        return
-    tiers, counters = store.tiers, store.counters
-    by_tier = np.bincount(origin[:loaded], minlength=len(tiers)).tolist()
-    for i, n in enumerate(by_tier):
-        if n:
-            counters.inc(f"hit_tokens_{tiers[i].name}", n * page_tokens)
-    from_l1 = loaded if staged else by_tier[0]
-    if from_l1:
-        counters.inc("l1_bytes_read", from_l1 * page_bytes)
-    counters.observe(f"load_seconds_{tiers[int(origin.max())].name}", seconds)

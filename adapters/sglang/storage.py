@@ -44,11 +44,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from kvstrata.keys import BlockChain, Namespace, chain_digests, root_key
-from kvstrata.store import BlockStore, ByteRuns, Hit
+from kvstrata.keys import BlockChain, Namespace
+from kvstrata.store import BlockStore, ByteRuns, Hit, StoreProtocol
 
 from ..versions import check_engine_version
-from .metrics import StorageSeries, count_load, origins, series_labels
+from .metrics import StorageSeries, series_labels
 from .namespace import digests_of, load_strata_config, namespace_for
 from .pages import PageRows
 
@@ -98,7 +98,7 @@ class StrataStorage(HiCacheStorage):
         # MLA ranks hold the same pages: only the writer stores them, every rank reads.
         self.writer = getattr(storage_config, "is_storage_writer",
                               not storage_config.is_mla_model or storage_config.tp_rank == 0)
-        self.store = BlockStore(self.config)
+        self.store: StoreProtocol = BlockStore(self.config)
         self.rows: PageRows | None = None
         self.ns: Namespace | None = None
         self.bypass_l1 = False  # set by register_mem_pool_host
@@ -134,23 +134,16 @@ class StrataStorage(HiCacheStorage):
         prefix keys it passes are not always the pages before ``keys``)."""
         ns = self._require_pool()[1]
         epoch = self.store.current_epoch(ns)
-        root = root_key(ns.seed, epoch)
-        ntok = ns.block_size
-        parts = [chain_digests(root, [d], ntok) for d in digests_of(keys)]
-        return epoch, BlockChain([c.keys[0] for c in parts], [root] * len(parts),
-                                 [c.fps[0] for c in parts], [ntok] * len(parts))
+        return epoch, self.store.page_chain(ns, epoch, digests_of(keys))
 
     # -------------------------------------------------------------- queries
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Length of the leading run of ``keys`` stored and valid (index and tier headers only)."""
         if not keys:
             return 0
-        started = time.perf_counter()
         epoch, chain = self._chain(keys, extra_info)
         assert self.ns is not None
-        found = self.store.lookup_chain(self.ns, epoch, chain).num_blocks
-        self.store.counters.observe("lookup_seconds", time.perf_counter() - started)
-        return found
+        return self.store.lookup_chain(self.ns, epoch, chain).num_blocks
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -174,34 +167,30 @@ class StrataStorage(HiCacheStorage):
         epoch, chain = self._chain(keys, extra_info)
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
         try:
-            resident = self.store.arena.slots(hit)
-            origin = origins(self.store, hit, resident)  # before the load promotes pages into L1
-            load_start = time.perf_counter()
+            origin = self.store.origins(hit)  # before the load promotes pages into L1
             starts = self.rows.page_starts(host_indices, hit.num_blocks) if self.bypass_l1 and hit.num_blocks else None
             if starts is not None:
                 rows, arena = self.rows, self.store.arena
-                loaded = self.store.load(hit, ByteRuns(
+                loaded = self.store.load_runs(hit, ByteRuns(
                     rows.page_bytes, lambda i: rows.runs(starts[i]),
                     lambda i, slot: rows.copy_slot(arena.data, slot, starts[i])))  # type: ignore[arg-type]
             else:
-                loaded = self._get_staged(hit, host_indices, resident)
+                loaded = self._get_staged(hit, host_indices)
         finally:
             self.store.complete_load(hit)
-        count_load(self.store, origin, loaded, self.rows.page_size, self.rows.page_bytes,
-                   time.perf_counter() - load_start, staged=starts is None)
+        staged = starts is None  # pages copied out of L1 slots here: all of them, or the resident ones
+        from_l1 = loaded if staged else origin[:loaded].count("l1")
+        self.store.count_served(origin[:loaded], [self.rows.page_size] * loaded, copied_from_l1=staged,
+                                l1_bytes=from_l1 * self.rows.page_bytes)
         self._calls.record("prefetch", loaded, loaded * self.rows.page_bytes, time.perf_counter() - start)
         log.debug("kvstrata: loaded %d of %d pages", loaded, len(keys))
         return [i < loaded for i in range(len(keys))]
 
-    def _get_staged(self, hit: Hit, host_indices: torch.Tensor, resident: list[int | None]) -> int:
-        """Pages on disk are read into L1 slots, then every page is copied from its slot.
-        ``resident``: the hit's L1 slots before the load."""
+    def _get_staged(self, hit: Hit, host_indices: torch.Tensor) -> int:
+        """Pages on disk are read into L1 slots, then every page is copied from its slot."""
         assert self.rows is not None
         arena = self.store.arena
-        in_l1 = next((i for i, slot in enumerate(resident) if slot is None), len(resident))
-        loaded = self.store.load(hit) if hit.num_blocks else 0
-        if in_l1 and loaded:
-            self.store.counters.inc("hit_blocks_l1", min(in_l1, loaded))
+        loaded = self.store.stage(hit) if hit.num_blocks else 0
         slots = arena.slots(hit)[:loaded]
         if None in slots:  # not expected while pinned; never serve what is not there
             loaded = slots.index(None)
@@ -230,7 +219,7 @@ class StrataStorage(HiCacheStorage):
         starts = self.rows.page_starts(host_indices, len(keys)) if self.bypass_l1 and self.store.direct_writes else None
         if starts is not None:
             rows = self.rows
-            self.store.save(self.ns, epoch, chain, ByteRuns(rows.page_bytes, lambda i: rows.runs(starts[i])), wait=True)
+            self.store.save_runs(self.ns, epoch, chain, ByteRuns(rows.page_bytes, lambda i: rows.runs(starts[i])))
         else:
             self._set_staged(epoch, chain, host_indices, len(keys))
         stored = self.store.stored_mask(self.ns, epoch, chain).tolist()
@@ -258,7 +247,7 @@ class StrataStorage(HiCacheStorage):
              extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
         epoch, chain = self._chain(keys, extra_info)
         assert self.ns is not None
-        self.store.save(self.ns, epoch, chain, payloads, wait=True)
+        self.store.save_now(self.ns, epoch, chain, payloads)
         return self.store.stored_mask(self.ns, epoch, chain).tolist()
 
     # -------------------------------------------------------------- legacy path (flat pages)
@@ -271,15 +260,14 @@ class StrataStorage(HiCacheStorage):
         epoch, chain = self._chain(keys, None)
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
         try:
-            origin = origins(self.store, hit, self.store.arena.slots(hit))
-            started = time.perf_counter()
-            loaded = self.store.load(hit, [t.reshape(-1).view(torch.uint8) for t in target_locations[: hit.num_blocks]])
+            origin = self.store.origins(hit)
+            loaded = self.store.load_into(hit, [t.reshape(-1).view(torch.uint8) for t in target_locations[: hit.num_blocks]])
         finally:
             self.store.complete_load(hit)
         rows = self.rows
         assert rows is not None
-        count_load(self.store, origin, loaded, rows.page_size, rows.page_bytes, time.perf_counter() - started,
-                   staged=False)
+        self.store.count_served(origin[:loaded], [rows.page_size] * loaded, copied_from_l1=False,
+                                l1_bytes=origin[:loaded].count("l1") * rows.page_bytes)
         return [t if i < loaded else None for i, t in enumerate(target_locations[: len(keys)])]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -301,16 +289,12 @@ class StrataStorage(HiCacheStorage):
         """Bump the namespace epoch: nothing stored before is served again, by any process."""
         if self.ns is None:
             return False
-        epoch = self.store.invalidate(self.ns.seed)
-        if epoch is None:  # not written to the shared tier: logged and counted by the store
-            return False
-        log.info("kvstrata: storage cleared, namespace %s now at generation %016x", self.ns.id, epoch)
-        return True
+        return self.store.invalidate(self.ns.seed) is not None  # the store logs it either way
 
     def get_stats(self) -> StrataStorageMetrics:
         """SGLang's storage metrics since the last call (its radix cache calls this every step,
         only with ``--enable-metrics``) and, in the same pass, the ``kvstrata_*`` series."""
-        counters = self.store.counters.snapshot()
+        counters = self.store.snapshot()
         if self._series is None and self.storage_config.enable_storage_metrics:
             self._series = StorageSeries(self.store, series_labels(self.storage_config))
         if self._series is not None:

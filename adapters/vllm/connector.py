@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..logs import follow_engine_logging
 from ..versions import check_engine_version
 from .metadata import StrataMetadata, StrataStats
 from .metrics import StrataPromMetrics
@@ -50,6 +51,7 @@ class StrataConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        follow_engine_logging("vllm")  # kvstrata's lines in vLLM's log, in its format
         if role == KVConnectorRole.SCHEDULER:  # once per engine, in its log
             check_engine_version("vllm", vllm.__version__)
         self._sched = SchedulerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None

@@ -1,10 +1,11 @@
 """KV cache events for routers: which blocks kvstrata holds, on which tier, under vLLM's block hashes.
 
 vLLM publishes ``BlockStored``/``BlockRemoved`` (``--kv-events-config``, a ZMQ publisher) for its
-own GPU cache with ``medium="GPU"``; the connector's ``take_events()`` adds ours, with ``medium``
-``CPU`` (L1), ``DISK`` (L2) or ``REMOTE`` (the shared tier), so a KV-aware router (llm-d's
-scheduler, NVIDIA Dynamo's router) learns that a prefix is still cheap on this instance after the
-GPU evicted it.
+own GPU cache with ``medium="GPU"``; the connector's ``take_events()`` adds ours with the
+``medium`` and ``locality`` of vLLM's own offloading tiers (``vllm.v1.kv_offload.base.Medium`` and
+``Locality``, ``TIER_PLACE``): L1 ``CPU``/``LOCAL``, L2 ``STORAGE``/``LOCAL``, the shared tier
+``STORAGE``/``REMOTE``. So a KV-aware router written for vLLM's events (llm-d's indexer, NVIDIA
+Dynamo's router) learns that a prefix is still cheap on this instance after the GPU evicted it.
 
 The store keys blocks on its own chained keys; routers need vLLM's (``request.block_hashes``,
 converted as vLLM converts its own: ``maybe_convert_block_hash``). The scheduler side ``learn``s
@@ -24,11 +25,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.kv_offload.base import Locality, Medium
 
-MEDIUM = {"l1": MEDIUM_CPU, "l2": "DISK", "remote": "REMOTE"}  # kvstrata tier -> event medium
-LOCALITY = {"l1": "LOCAL", "l2": "LOCAL", "remote": "REMOTE"}  # relative to this instance, as vLLM defines it
+# kvstrata tier -> (medium, locality) as vLLM's own offloading tiers announce theirs
+TIER_PLACE = {"l1": (Medium.CPU, Locality.LOCAL), "l2": (Medium.STORAGE, Locality.LOCAL),
+              "remote": (Medium.STORAGE, Locality.REMOTE)}
+MEDIUM = {tier: medium.value for tier, (medium, _) in TIER_PLACE.items()}  # as the event carries it
+LOCALITY = {tier: locality.value for tier, (_, locality) in TIER_PLACE.items()}
 _UNSTORED_STEPS = 1024  # a learned block never committed (L1 full, a failed copy) is forgotten after
 
 
@@ -42,7 +47,7 @@ class _Known:
 
 class KVEvents:
     def __init__(self, block_size: int, tier_bits: dict[str, int]) -> None:
-        """``tier_bits``: each tier's bit in ``hit.tiers`` (``{t.name: t.bit for t in store.tiers}``)."""
+        """``tier_bits``: each tier's bit in ``hit.tiers`` (``BlockStore.tier_bits``)."""
         self.block_size = block_size
         self._bits = tier_bits
         self._lock = threading.Lock()

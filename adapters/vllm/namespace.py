@@ -17,7 +17,7 @@ import torch
 from kvstrata.config import StrataConfig
 from kvstrata.identity import resolve_model_version
 from kvstrata.keys import Namespace, extra_digest
-from kvstrata.tiers.arena import remove_dead_arenas
+from kvstrata.store import remove_dead_arenas
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

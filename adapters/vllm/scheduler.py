@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +37,8 @@ import numpy as np
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.config import ConfigError, load_engine_config
-from kvstrata.keys import BlockChain, block_key, root_key
-from kvstrata.store import BlockStore, Hit, Reservation
+from kvstrata.keys import BlockChain
+from kvstrata.store import BlockStore, Hit, Reservation, StoreProtocol
 
 from .events import KVEvents
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
@@ -108,7 +107,7 @@ class SchedulerSide:
         rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         slot_bytes = rank_bytes * par.tensor_parallel_size
         path = new_arena_path()
-        self.store = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
+        self.store: StoreProtocol = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
         self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
         atexit.register(self.store.arena.unlink)  # unlink the arena even if vLLM never calls shutdown
         self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes)
@@ -126,8 +125,8 @@ class SchedulerSide:
         events_cfg = vllm_config.kv_events_config
         self.events: KVEvents | None = None
         if events_cfg is not None and events_cfg.enable_kv_cache_events:
-            self.events = KVEvents(self.block_size, {t.name: t.bit for t in self.store.tiers})
-            self.store.counters.listen(self.events.on_tier_change)
+            self.events = KVEvents(self.block_size, self.store.tier_bits)
+            self.store.listen(self.events.on_tier_change)
         log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s", self.ns.id,
                  self.ns.model, self.arena.num_slots, slot_bytes, path)
 
@@ -146,9 +145,7 @@ class SchedulerSide:
         st.local = num_computed_tokens
         # Validated and pinned under one index lock: a pinned row keeps its block and its L1 slot
         # until the pin goes, so the slots read below stay this block's until the load is copied.
-        started = time.perf_counter()
         hit = self.store.lookup(self.ns, st.tokens, st.extra, pin=True)
-        self.store.counters.observe("lookup_seconds", time.perf_counter() - started)
         if self.events is not None and not st.learned and hit.num_blocks:
             st.learned = True
             n_full = sum(1 for n in hit.chain.lengths if n == self.block_size)
@@ -170,7 +167,7 @@ class SchedulerSide:
         slots = self.store.arena.slots(hit)[:n_blocks]
         first = num_computed_tokens // self.block_size
         if not st.staged:  # where each block comes from, before staging copies it into L1
-            st.origin = [self._origin(bits, slot) for bits, slot in zip(hit.tiers[:n_blocks], slots)]
+            st.origin = self.store.origins(hit)[:n_blocks]
         if any(s is None for s in slots[first:]) and not st.staged:
             wanted = hit._replace(chain=BlockChain(*(part[:n_blocks] for part in hit.chain)),
                                   tiers=hit.tiers[:n_blocks], lease=None)
@@ -185,34 +182,23 @@ class SchedulerSide:
             return 0, []
         return usable - num_computed_tokens, slots[:resident]  # type: ignore[return-value]
 
-    def _origin(self, bits: int, slot: int | None) -> str:
-        """The tier a block of a hit is served from: L1 if resident, else the first backing tier."""
-        if slot is not None:
-            return "l1"
-        return next((t.name for t in self.store.tiers[1:] if bits & t.bit), "l1")
-
     def _stage(self, st: _Pending, hit: Hit, first: int) -> bool:
         """Bring the hit's blocks into L1. Returns True when done inline (small hits): the caller
         can promise them now; False when a background job was started (ask again later)."""
         missing = sum(1 for s in self.store.arena.slots(hit)[first:] if s is None)
-        order = [t.name for t in self.store.tiers]
-        sample = f"load_seconds_{max(st.origin[first:], key=order.index, default='l1')}"  # the outermost read
-        started = time.perf_counter()
         if missing * self.arena.slot_bytes <= self._inline_bytes:
             # Inline: a background thread would fight this busy scheduler loop for the GIL.
-            self.store.load(hit)
-            self.store.counters.observe(sample, time.perf_counter() - started)
+            self.store.stage(hit)
             st.staged = True
             return True
 
         def staged(n: int | None) -> None:  # None: the job raised; the request must not wait forever
-            self.store.counters.observe(sample, time.perf_counter() - started)  # queue wait included
             with self._lock:
                 st.staging, st.staged = False, True
 
         with self._lock:
             st.staging = True
-        if not self.store.load(hit, wait=False, on_done=staged):
+        if not self.store.stage_later(hit, staged):
             with self._lock:
                 st.staging, st.staged = False, True  # queue full: serve what L1 has
         return False
@@ -228,21 +214,17 @@ class SchedulerSide:
         if not num_external_tokens or st is None:
             return {}
         out: dict[CacheHitSource, int] = {}
-        for tier, (_blocks, tokens) in self._by_tier(st, num_external_tokens).items():
+        for tier, tokens in zip(*self._served(st, num_external_tokens)):
             out[HIT_SOURCE[tier]] = out.get(HIT_SOURCE[tier], 0) + tokens
         return out
 
-    def _by_tier(self, st: _Pending, num_external_tokens: int) -> dict[str, tuple[int, int]]:
-        """Blocks and tokens of the load the request is about to get, by the tier they come from."""
+    def _served(self, st: _Pending, num_external_tokens: int) -> tuple[list[str], list[int]]:
+        """Per block of the load the request is about to get: the tier it comes from, its tokens."""
         bs = self.block_size
         first = st.local // bs
         last = -(-(st.local + num_external_tokens) // bs)
-        out: dict[str, tuple[int, int]] = {}
-        for i, tier in enumerate(st.origin[first:last], first):
-            tokens = min(bs, st.local + num_external_tokens - i * bs)
-            blocks, total = out.get(tier, (0, 0))
-            out[tier] = (blocks + 1, total + tokens)
-        return out
+        end = st.local + num_external_tokens
+        return st.origin[first:last], [min(bs, end - i * bs) for i in range(first, last)]
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -259,12 +241,7 @@ class SchedulerSide:
         # The load op owns the pin now: it goes when every rank has copied the blocks out.
         self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), hit=st.hit)
         st.hit, st.slots = None, []
-        counters = self.store.counters
-        counters.inc("vllm_loaded_tokens", num_external_tokens)
-        for tier, (blocks, tokens) in self._by_tier(st, num_external_tokens).items():
-            counters.inc(f"hit_tokens_{tier}", tokens)
-            if tier == "l1":  # blocks staged from a backing tier were counted by the store's read
-                counters.inc("hit_blocks_l1", blocks)
+        self.store.count_served(*self._served(st, num_external_tokens))  # the workers copy out of L1
 
     def _new_op_id(self) -> int:
         self._next_op += 1
@@ -304,10 +281,9 @@ class SchedulerSide:
         todo = BlockChain(*(part[st.saved_full : full] for part in chain))
         if tail:
             n_prompt_full = prompt_len // bs
-            parent = chain.keys[n_prompt_full - 1] if n_prompt_full else root_key(self.ns.seed, epoch)
-            key, fp = block_key(parent, tokens[n_prompt_full * bs : prompt_len], st.extra)
-            todo = BlockChain(todo.keys + [key], todo.parents + [parent], todo.fps + [fp],
-                              todo.lengths + [prompt_len - n_prompt_full * bs])
+            last = self.store.tail_block(self.ns, epoch, chain.keys[n_prompt_full - 1] if n_prompt_full else None,
+                                         tokens[n_prompt_full * bs : prompt_len], st.extra)
+            todo = BlockChain(*(a + b for a, b in zip(todo, last)))
             where.append(n_prompt_full)
         st.saved_full, st.tail_saved = max(st.saved_full, full), st.tail_saved or tail
         res = self.store.prepare_store(self.ns, epoch, todo, self.arena.slot_bytes)
@@ -371,11 +347,7 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         """False when the new generation could not be written to the shared tier (the store has
         logged and counted it; this instance serves nothing of the namespace until it is)."""
-        generation = self.store.invalidate(self.ns.seed)
-        if generation is None:
-            return False
-        log.info("kvstrata: prefix cache reset, namespace %s now at generation %016x", self.ns.id, generation)
-        return True
+        return self.store.invalidate(self.ns.seed) is not None  # the store logs it either way
 
     def get_kv_connector_stats(self) -> StrataStats | None:
         return self.stats.collect()

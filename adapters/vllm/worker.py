@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstrata.blockcopy import BlockLayout
-from kvstrata.tiers.arena import attach_shared_arena
+from kvstrata.store import attach_shared_arena
 
 from .metadata import ArenaSpec, StrataMetadata, StrataStats, StrataWorkerMetadata
 
@@ -35,7 +35,7 @@ class WorkerSide:
         self._num_blocks = kv_cache_config.num_blocks
         self._layout: BlockLayout | None = None
         self._arena: torch.Tensor | None = None
-        self._prefault: Any = None  # kvstrata.tiers.arena.Prefaulter of the worker's mapping
+        self._prefault: Any = None  # the arena's Prefaulter for the worker's mapping
         self._arena_path = ""
         self._rank = 0
         self._saved: set[int] = set()

@@ -20,34 +20,38 @@ start-up and CLI calls, done through the epoch store (``describe.py`` says what 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
-from typing import Callable, Iterable, Literal, Sequence, overload
+import time
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from ..config import StrataConfig
-from ..describe import MAX_BYTES as DESCRIPTOR_MAX, decode as decode_descriptor, encode as encode_descriptor
+from ..describe import MAX_BYTES as DESCRIPTOR_MAX, encode as encode_descriptor
 from ..epochs import EpochStore
 from ..index import BlockIndex
-from ..keys import NO_EXTRA, BlockChain, Namespace
-from ..metrics import Counters
+from ..keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, root_key, rooted_digests
+from ..metrics import Counters, TierListener
 from ..tiers import BlockTier, DiskTier, MemoryTier
+from ..tiers.arena import attach_shared_arena, remove_dead_arenas
 from ..tiers.disk import IOV_MAX
 from .evict import Evictor
 from .load import Loader
 from .lookup import Lookup
 from .parts import open_parts
-from .protocol import Arena, ByteRuns, Hit, Reservation
+from . import report, served
+from .recovery import Recovery
+from .protocol import Arena, ByteRuns, Hit, Reservation, StoreProtocol
 from .write import Payloads, Writer
 
-__all__ = ["Arena", "BlockStore", "ByteRuns", "Hit", "Reservation"]
+__all__ = ["Arena", "BlockStore", "ByteRuns", "Hit", "Reservation", "StoreProtocol", "attach_shared_arena",
+           "remove_dead_arenas"]
 
 log = logging.getLogger(__name__)
 
 
 class BlockStore:
-    """The store protocol (see ``protocol.py``) over one index, L1 and the backing tiers."""
+    """The store protocol (``protocol.StoreProtocol``) over one index, L1 and the backing tiers."""
 
     def __init__(self, config: StrataConfig | None = None, *, l1_slot_bytes: int = 0,
                  l1_shared_path: str | None = None) -> None:
@@ -55,145 +59,226 @@ class BlockStore:
         engine's workers copy KV in and out of it); ``l1_slot_bytes`` fixes the slot size now
         instead of at the first save."""
         self.config = config or StrataConfig()
-        self.parts = open_parts(self.config, l1_slot_bytes, l1_shared_path)
-        self.evictor = Evictor(self.parts, demote=lambda metas, payloads: self.writer.write_backing(metas, payloads))
-        self.writer = Writer(self.parts, self.evictor)
-        self.lookups = Lookup(self.parts)
-        self.loader = Loader(self.parts, self.writer, self.evictor)
-        self.arena = Arena(self.parts.l1)
-        if self.parts.recovery is not None:
-            self.parts.recovery.start(then=self.evictor.after_recovery)
+        self._parts = open_parts(self.config, l1_slot_bytes, l1_shared_path)
+        self._evictor = Evictor(self._parts)
+        self._writer = Writer(self._parts, self._evictor)
+        self._lookups = Lookup(self._parts)
+        self._loader = Loader(self._parts, self._writer, self._evictor)
+        self._arena = Arena(self._parts.l1)
+        if self._parts.recovery is not None:
+            self._parts.recovery.start(then=self._evictor.after_recovery)
 
-    # The shared pieces, for tools, checks and tests (engine glue uses the protocol only).
+    # ------------------------------------------------ for engine glue: what the tiers are, figures
+    @property
+    def arena(self) -> Arena:
+        """The read-only view of the L1 arena (slots, the shared file) for engines that copy KV in
+        and out of its slots themselves."""
+        return self._arena
+
+    @property
+    def tier_bits(self) -> dict[str, int]:
+        """Each tier's name and its bit in ``Hit.tiers``, fastest first: ``l1``, then ``l2`` and
+        ``remote`` where configured."""
+        return {tier.name: tier.bit for tier in self._parts.tiers}
+
+    def snapshot(self) -> dict[str, int]:
+        """Every counter now (``metrics.METRICS`` names those the engines export)."""
+        return self._parts.counters.snapshot()
+
+    def listen(self, listener: TierListener) -> None:
+        """``listener(tier name, metas, stored)`` hears every batch of blocks committed to
+        (``stored``) or removed from a tier, on the thread that did it (vLLM's KV events)."""
+        self._parts.counters.listen(listener)
+
+    # The shared pieces, for tools, checks and tests; engine glue never uses them
+    # (tests/test_protocol.py holds the adapters to the protocol).
     @property
     def counters(self) -> Counters:
-        return self.parts.counters
+        return self._parts.counters
 
     @property
     def index(self) -> BlockIndex:
-        return self.parts.index
+        return self._parts.index
 
     @property
     def epochs(self) -> EpochStore:
-        return self.parts.epochs
+        return self._parts.epochs
 
     @property
     def l1(self) -> MemoryTier:
-        return self.parts.l1
+        return self._parts.l1
 
     @property
     def l2(self) -> DiskTier | None:
-        return self.parts.l2
+        return self._parts.l2
 
     @property
     def remote(self) -> BlockTier | None:
-        return self.parts.remote
+        return self._parts.remote
 
     @property
     def tiers(self) -> list[BlockTier]:
-        return self.parts.tiers
+        return self._parts.tiers
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """L2's background recovery (None without L2), for the CLI's progress."""
+        return self._parts.recovery
 
     # ------------------------------------------------------------------ keys
     def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,
               *, partial: bool = True) -> tuple[int, BlockChain]:
         """Current epoch and the chained keys of ``tokens`` (full blocks, then the partial tail)."""
-        return self.lookups.chain(ns, tokens, extra, partial=partial)
+        return self._lookups.chain(ns, tokens, extra, partial=partial)
+
+    def tail_block(self, ns: Namespace, epoch: int, parent: bytes | None, tokens: Sequence[int] | np.ndarray,
+                   extra: bytes = NO_EXTRA) -> BlockChain:
+        """The chain of one partial block: ``tokens`` (fewer than a block) after the block
+        ``parent`` (None: at the start of the prompt, under the root of ``epoch``)."""
+        parent = root_key(ns.seed, epoch) if parent is None else parent
+        key, fp = block_key(parent, as_tokens(tokens), extra)
+        return BlockChain([key], [parent], [fp], [len(tokens)])
+
+    def page_chain(self, ns: Namespace, epoch: int, digests: Sequence[bytes]) -> BlockChain:
+        """Keys for engine pages whose own digests already chain the whole prefix (SGLang's page
+        hash): page i is keyed by ``digests[i]`` alone, rooted at the namespace and ``epoch``, so
+        a page is found whatever the engine still caches before it (``keys.rooted_digests``)."""
+        return rooted_digests(root_key(ns.seed, epoch), digests, ns.block_size)
 
     def current_epoch(self, ns: Namespace) -> int:
         """The generation saves of ``ns`` go under (a lookup checks that it is confirmed)."""
-        return self.parts.epochs.get(ns.seed)
+        return self._parts.epochs.get(ns.seed)
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,
                *, pin: bool = False) -> Hit:
         """The longest valid stored prefix of ``tokens``, possibly ending in a stored partial
         block. With ``pin`` (vLLM's ``prepare_load``) the hit's blocks are pinned until
-        ``complete_load(hit)``; ``hit.tiers`` says where each was at lookup time."""
+        ``complete_load(hit)``; ``hit.tiers`` says where each was at lookup time. Timed
+        (``lookup_seconds``)."""
         self._serving()
-        return self.lookups.lookup(ns, tokens, extra, pin=pin)
+        started = time.perf_counter()
+        hit = self._lookups.lookup(ns, tokens, extra, pin=pin)
+        self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
+        return hit
 
     def lookup_chain(self, ns: Namespace, epoch: int, chain: BlockChain, *, pin: bool = False) -> Hit:
-        """``lookup`` for a chain the caller built (``keys.chain_digests``); no partial tails."""
+        """``lookup`` for a chain the caller built (``page_chain``); no partial tails."""
         self._serving()
-        return self.lookups.lookup_chain(ns, epoch, chain, pin=pin)
+        started = time.perf_counter()
+        hit = self._lookups.lookup_chain(ns, epoch, chain, pin=pin)
+        self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
+        return hit
 
     def _serving(self) -> None:
         """Tell L2's background recovery, if still running, to make way for a request."""
-        recovery = self.parts.recovery
+        recovery = self._parts.recovery
         if recovery is not None and not recovery.done:
             recovery.note_request()
 
     def complete_load(self, hit: Hit) -> None:
         """Give back the pin of a pinned lookup (nothing for an unpinned one)."""
         if hit.lease is not None:
-            self.parts.index.unpin(hit.lease)
+            self._parts.index.unpin(hit.lease)
 
     def stored_mask(self, ns: Namespace, epoch: int, chain: BlockChain) -> np.ndarray:
         """Which blocks of ``chain`` are validly stored now (bool per block)."""
-        return self.parts.index.valid_mask(ns.seed, epoch, chain)
+        return self._parts.index.valid_mask(ns.seed, epoch, chain)
 
     # ------------------------------------------------------------------ load
-    @overload
-    def load(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor | ByteRuns | None = None, *,
-             wait: Literal[True] = True) -> int: ...
-    @overload
-    def load(self, hit: Hit, out: None = None, *, wait: Literal[False],
-             on_done: Callable[[int | None], None]) -> bool: ...
+    # Each load is timed here, labelled by the outermost tier it may read (``load_seconds_<tier>``).
+    def load_into(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor) -> int:
+        """Copy the hit's blocks into ``out``, one uint8 row per block (a tensor ``[n, >= size]``
+        or a list); returns how many leading blocks are valid (the engine recomputes the rest)."""
+        return self._timed(hit, lambda: self._loader.load_into(hit, out))
 
-    def load(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor | ByteRuns | None = None, *,
-             wait: bool = True, on_done: Callable[[int | None], None] | None = None) -> int | bool:
-        """Copy the hit's blocks into ``out``; returns how many leading blocks are valid (the
-        engine recomputes the rest).
+    def load_runs(self, hit: Hit, runs: ByteRuns) -> int:
+        """Load the hit's blocks into the caller's memory (SGLang's host pool): L1-resident ones
+        through ``runs.from_l1``, disk ones straight into ``runs.runs(i)`` (needs ``direct_reads``),
+        the rest staged through L1. Returns how many leading blocks are valid."""
+        return self._timed(hit, lambda: self._loader.load_runs(hit, runs))
 
-        ``out`` is one uint8 row per block (a tensor ``[n, >= size]`` or a list), or ``ByteRuns``
-        (SGLang's host pool: disk reads go straight into its runs, no L1 copy), or None: the
-        blocks are made resident in L1 (staging; ``arena.slots(hit)`` then names their slots).
-        Staging can be queued (``wait=False``): it runs on a save thread and ``on_done(n)``
-        hears the blocks in L1 (None if the job failed); False when the queue is full."""
+    def stage(self, hit: Hit) -> int:
+        """Make the hit's blocks resident in L1 (``arena.slots(hit)`` then names their slots);
+        returns how many leading blocks are."""
+        return self._timed(hit, lambda: self._loader.stage(hit))
+
+    def stage_later(self, hit: Hit, on_done: Callable[[int | None], None]) -> bool:
+        """``stage`` on a save thread: ``on_done(n)`` hears how many leading blocks are in L1
+        (None if the job failed); False, and nothing queued, when the queue is full. Timed from
+        now to the end of the job (its wait in the queue included)."""
         self._serving()
-        return self.loader.load(hit, out, wait=wait, on_done=on_done)
+        started, sample = time.perf_counter(), served.load_sample(self._parts, hit)
+
+        def done(n: int | None) -> None:
+            self._parts.counters.observe(sample, time.perf_counter() - started)
+            on_done(n)
+
+        return self._loader.stage_later(hit, done)
+
+    def _timed(self, hit: Hit, load: Callable[[], int]) -> int:
+        self._serving()
+        started, sample = time.perf_counter(), served.load_sample(self._parts, hit)
+        n = load()
+        self._parts.counters.observe(sample, time.perf_counter() - started)
+        return n
+
+    def origins(self, hit: Hit) -> list[str]:
+        """Per block of ``hit``, the tier a load serves it from now: ``l1`` where resident in an L1
+        slot, else the first backing tier that holds it (``l1`` for a block no tier holds any
+        more: the load stops before it)."""
+        return served.origins(self._parts, hit)
+
+    def count_served(self, origins: Sequence[str], tokens: Sequence[int], *, copied_from_l1: bool = True,
+                     l1_bytes: int = 0) -> None:
+        """The engine took the leading blocks of a hit: block i from tier ``origins[i]`` (see
+        ``origins``) with ``tokens[i]`` of its tokens. Counts ``hit_tokens_<tier>``; with
+        ``copied_from_l1`` (the engine copied the L1 blocks out of their slots itself, after a
+        ``stage``) ``hit_blocks_l1`` for them (blocks of backing tiers were counted by the reads
+        that brought them in, and ``load_into``/``load_runs`` count their own); ``l1_bytes_read``
+        bytes the engine copied out of L1 slots; and ``served_tokens``, all of them."""
+        served.count_served(self._parts, origins, tokens, copied_from_l1, l1_bytes)
 
     # ----------------------------------------------------------------- store
     def prepare_store(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
         """Fresh L1 slots for the blocks of ``chain`` not stored yet (a prefix of them if L1 is
         full): the caller fills ``arena.data[slot, :size]`` for ``res.slots`` (``res.metas``
         name the blocks), then calls ``complete_store``. Nobody can see the slots until then."""
-        return self.writer.prepare_store(ns, epoch, chain, size)
+        return self._writer.prepare_store(ns, epoch, chain, size)
 
     def complete_store(self, res: Reservation, success: bool = True, *, wait: bool = False) -> int:
         """Publish the filled slots of ``res`` (the index sees them from now on) and write them
         through, on the save threads or, with ``wait``, before returning; or, with ``success``
         False (a slot was not filled), give the slots back. Returns the blocks published."""
-        return self.writer.complete_store(res, success, wait=wait)
+        return self._writer.complete_store(res, success, wait=wait)
 
-    @overload
-    def save(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads, *,
-             wait: Literal[False] = False, on_done: Callable[[int], None] | None = None) -> bool: ...
-    @overload
-    def save(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads | ByteRuns, *,
-             wait: Literal[True]) -> int: ...
+    def save(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads,
+             on_done: Callable[[int], None] | None = None) -> bool:
+        """Store the blocks of ``chain`` not validly stored yet, on a save thread: ``src[i]`` is
+        block i's bytes (tensors; a uint8 view is taken), copied into L1 and written through from
+        there. Returns at once: False (and counted) when the queue is full. ``src`` must stay
+        unchanged until ``on_done(blocks_stored)`` (0 if the job failed)."""
+        return self._writer.save(ns, epoch, chain, src, on_done)
 
-    def save(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads | ByteRuns, *,
-             wait: bool = False, on_done: Callable[[int], None] | None = None) -> bool | int:
-        """Store the blocks of ``chain`` not validly stored yet; ``src`` holds every block.
+    def save_now(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads) -> int:
+        """``save`` on the calling thread; returns the blocks stored."""
+        return self._writer.save_now(ns, epoch, chain, src)
 
-        Tensors (``src[i]`` is block i's bytes; a uint8 view is taken) are copied into L1 and
-        written through from there. Queued by default: returns at once, False (and counted) when
-        the queue is full; ``src`` must stay unchanged until ``on_done(blocks_stored)`` (0 if
-        the job failed). With ``wait`` the save runs now and returns the blocks stored.
-        ``ByteRuns`` (needs ``wait`` and ``direct_writes``) go straight to L2, bypassing L1."""
-        return self.writer.save(ns, epoch, chain, src, wait=wait, on_done=on_done)
+    def save_runs(self, ns: Namespace, epoch: int, chain: BlockChain, runs: ByteRuns) -> int:
+        """Store the blocks of ``chain`` not validly stored yet straight from the caller's memory
+        to L2, bypassing L1 (needs ``direct_writes``); returns the blocks stored."""
+        return self._writer.save_runs(ns, epoch, chain, runs)
 
     @property
     def direct_writes(self) -> bool:
-        """Whether ``save`` takes ``ByteRuns``, and ``complete_store(wait=True)`` writes L2 on the
+        """Whether ``save_runs`` may be used, and ``complete_store(wait=True)`` writes L2 on the
         calling thread and the save threads together: L2 written through, no shared tier."""
-        return self.writer.direct_writes
+        return self._writer.direct_writes
 
     @property
     def direct_reads(self) -> bool:
-        """Whether ``load`` into ``ByteRuns`` reads disk blocks straight into them (an L2 exists)."""
-        return self.parts.l2 is not None
+        """Whether ``load_runs`` reads disk blocks straight into the runs (an L2 exists)."""
+        return self._parts.l2 is not None
 
     @property
     def max_runs(self) -> int:
@@ -205,12 +290,12 @@ class BlockStore:
         """Wait until the background scan has brought every L2 block into the index (True), or
         ``timeout`` seconds (False). Serving never needs it (lookups find blocks by header); the
         figures of ``stats`` and the LRU order are complete only after it."""
-        recovery = self.parts.recovery
+        recovery = self._parts.recovery
         return recovery is None or recovery.wait(timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued saves (tests, shutdown)."""
-        return self.parts.saver.flush(timeout)
+        return self._parts.saver.flush(timeout)
 
     # ------------------------------------------------- invalidation, gc, stats
     def invalidate(self, ns_seed: bytes) -> int | None:
@@ -219,24 +304,25 @@ class BlockStore:
         is unreachable): counted (``invalidation_failures``) and logged. This instance then serves
         nothing of the namespace until the new generation is written (retried at every use);
         the other instances go on with the old one until then."""
-        epoch = self.parts.epochs.bump(ns_seed)
+        epoch = self._parts.epochs.bump(ns_seed)
         if epoch is None:
-            self.parts.counters.inc("invalidation_failures")
-            log.error("kvstrata: namespace %s could not be invalidated: the new generation was not written to "
-                      "the shared tier; this instance serves none of its blocks until it is (retried at every "
-                      "lookup), other instances keep serving the old generation until then", ns_seed[:8].hex())
+            self._parts.counters.inc("invalidation_failures")
+            log.error("kvstrata: namespace %s could not be invalidated: the new generation was not written where "
+                      "the other instances read it (the shared tier, or the epochs folder); this instance serves "
+                      "none of its blocks until it is (retried at every lookup), the others keep serving the old "
+                      "generation until then", ns_seed[:8].hex())
             return None
-        self.parts.counters.inc("invalidations")
+        self._parts.counters.inc("invalidations")
         log.info("kvstrata: namespace %s is now at generation %016x", ns_seed[:8].hex(), epoch)
         self.gc(only=[ns_seed])
         return epoch
 
     def gc(self, only: list[bytes] | None = None) -> dict[str, int]:
         """Reclaim unpinned entries of older epochs, then enforce every tier's capacity."""
-        return self.evictor.gc(only)
+        return self._evictor.gc(only)
 
     def namespaces(self) -> list[bytes]:
-        return self.evictor.namespaces()
+        return self._evictor.namespaces()
 
     def describe(self, ns: Namespace) -> None:
         """Record what ``ns`` is (model, weights version, KV dtype, layout, tenant) beside its epoch,
@@ -245,62 +331,36 @@ class BlockStore:
         also creates the namespace's epoch, so the namespace is listed before its first block);
         never on a lookup or save path. Never raises: a failure is logged and costs names only."""
         blob = encode_descriptor(ns)
-        self.parts.epochs.get(ns.seed)
+        self._parts.epochs.get(ns.seed)
         if blob is None:
             log.warning("kvstrata: namespace %s is too large to describe (over %d bytes); stats will "
                         "show its id only", ns.id, DESCRIPTOR_MAX)
             return
-        self.parts.epochs.describe(ns.seed, blob)
+        self._parts.epochs.describe(ns.seed, blob)
 
     def descriptors(self, seeds: Iterable[bytes] | None = None) -> dict[bytes, Namespace]:
         """The recorded namespaces, by seed (default: every namespace the store knows), read back
         as untrusted input: a descriptor that does not hash to its namespace is skipped, logged and
         counted (``bad_descriptors``)."""
-        out: dict[bytes, Namespace] = {}
-        for seed in self.namespaces() if seeds is None else seeds:
-            raw = self.parts.epochs.descriptor(seed)
-            if raw is None:
-                continue
-            ns = decode_descriptor(raw, seed)
-            if ns is None:
-                self.parts.counters.inc("bad_descriptors")
-                log.warning("kvstrata: ignoring the descriptor of namespace %s: %d bytes that do not describe "
-                            "it (damaged, or not written by kvstrata)", seed[:8].hex(), len(raw))
-            else:
-                out[seed] = ns
-        return out
+        return report.descriptors(self._parts, self.namespaces() if seeds is None else seeds)
 
     def resident(self) -> dict[str, int]:
         """``<tier>_resident_blocks`` and ``<tier>_resident_bytes`` for every tier: the gauges both
         adapters export. One vectorized count over the index (a byte per row), cheap enough for
         every engine step; unlike ``stats`` it reads nothing from disk or the network."""
-        bits = self.parts.index.tiers_of(slice(None))  # type: ignore[arg-type]
-        out: dict[str, int] = {}
-        for tier in self.parts.tiers:
-            out[f"{tier.name}_resident_blocks"] = int(np.count_nonzero(bits & tier.bit))
-            out[f"{tier.name}_resident_bytes"] = int(tier.used_bytes)
-        return out
+        return report.resident(self._parts)
 
     def stats(self) -> dict[str, object]:
-        p = self.parts
-        census = p.index.census([t.bit for t in p.tiers])  # vectorized: seconds saved at millions of blocks
-        tiers = {t.name: {"blocks": census.per_tier[t.bit][0], "bytes": census.per_tier[t.bit][1],
-                          "capacity_bytes": t.capacity_bytes} for t in p.tiers}
-        spaces: dict[str, dict[str, dict[str, int]]] = {}
-        for (seed, epoch), (blocks, nbytes) in sorted(census.per_epoch.items()):
-            spaces.setdefault(seed[:8].hex(), {})[f"{epoch:016x}"] = {"blocks": blocks, "bytes": nbytes}
-        seeds = sorted(set(census.seeds) | set(p.epochs.known()))
-        current = {s[:8].hex(): f"{p.epochs.get(s):016x}" for s in seeds}
-        described = {s[:8].hex(): asdict(ns) for s, ns in self.descriptors(seeds).items()}
-        return {"tiers": tiers, "namespaces": spaces, "current_epochs": current,
-                "descriptors": described, "counters": p.counters.snapshot()}
+        """Tiers, blocks and bytes per namespace and generation, current generations, descriptors
+        and counters (``kvstrata stats``)."""
+        return report.stats(self._parts)
 
     def close(self) -> None:
-        if self.parts.recovery is not None:
-            self.parts.recovery.stop()
-        self.parts.saver.close()
-        self.parts.epochs.close()
-        for tier in self.parts.tiers:
+        if self._parts.recovery is not None:
+            self._parts.recovery.stop()
+        self._parts.saver.close()
+        self._parts.epochs.close()
+        for tier in self._parts.tiers:
             tier.close()
 
     def __enter__(self) -> "BlockStore":

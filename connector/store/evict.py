@@ -1,5 +1,6 @@
-"""Capacity: L1 slots taken by LRU eviction (demoting a block to L2 when L2 is written on
-eviction), backing tiers trimmed before each batch, and ``gc`` of older epochs.
+"""Capacity and moving blocks down: L1 slots taken by LRU eviction (demoting a block to L2 when
+L2 is written on eviction), blocks written to the backing tiers (``write_backing``: room made
+before each batch, committed after), and ``gc`` of older epochs.
 
 A block leaves a tier only after the index ``claim``s it there, which fails while the block is
 pinned: a reader holding a pin never has its block deleted, nor its slot or row reused.
@@ -10,11 +11,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from typing import Callable
+from typing import Sequence
 
 import numpy as np
 import torch
 
+from ..blockfmt import payload_checksum
 from ..index import EntryMeta
 from ..tiers import BlockTier, DiskTier
 from .parts import Parts
@@ -26,14 +28,10 @@ _EVICT_BATCH = 16
 # (milliseconds for a small folder; a large one drops the write, as a full tier does).
 _COUNT_WAIT_S = 2.0
 
-Demote = Callable[[list[EntryMeta], list[torch.Tensor]], int]
-
 
 class Evictor:
-    def __init__(self, parts: Parts, demote: Demote) -> None:
-        """``demote(metas, payloads)`` writes blocks L1 evicts to the backing tiers."""
+    def __init__(self, parts: Parts) -> None:
         self.p = parts
-        self._demote = demote
         self._lock = threading.Lock()  # one reservation evicts at a time
         self._holder = 0  # the thread holding ``_lock`` (it never waits for L2's count: prepare_store would)
         self._unreported = Counter[str]()  # dropped by the end of L2's count, reported by the next gc()
@@ -77,7 +75,7 @@ class Evictor:
             try:
                 slot = p.l1.slot_of(meta.key) if lease is not None else None
                 if slot is not None and p.l1.data is not None:
-                    self._demote([meta], [p.l1.data[slot, : meta.size]])
+                    self.write_backing([meta], [p.l1.data[slot, : meta.size]])
                     p.counters.inc("l1_demoted")
             finally:
                 if lease is not None:
@@ -87,6 +85,29 @@ class Evictor:
         p.l1.delete(meta.key)
         p.counters.inc("l1_evicted")
         return meta
+
+    def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor],
+                      tiers: list[BlockTier] | None = None) -> int:
+        """Checksum blocks and publish them on the backing tiers (default: all), room made first,
+        then commit them. Used by write-through, demotion and the benchmark. Returns how many
+        the first tier took."""
+        metas = [m._replace(checksum=payload_checksum(memoryview(p[: m.size].numpy())))
+                 for m, p in zip(metas, payloads)]
+        first = 0
+        for tier in self.p.backing if tiers is None else tiers:
+            self.make_room(tier, sum(tier.stored_bytes(m.size) for m in metas))
+            ok = tier.write_many(metas, list(payloads))
+            committed = self.commit([m for m, good in zip(metas, ok) if good], tier)
+            self.enforce_capacity(tier)
+            first = first or committed
+        return first
+
+    def commit(self, metas: list[EntryMeta], tier: BlockTier) -> int:
+        """Commit blocks written to a backing tier; tells the tier listener. Returns how many."""
+        rows = self.p.index.commit_many(metas, tier.bit) if metas else []
+        done = [meta for meta, row in zip(metas, rows) if row is not None]
+        self.p.counters.tier_changed(tier.name, done, True)
+        return len(done)
 
     def enforce_capacity(self, tier: BlockTier) -> None:
         self.make_room(tier, 0)

@@ -33,23 +33,8 @@ class Loader:
         self.writer = writer
         self.evictor = evictor
 
-    def load(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor | ByteRuns | None = None, *,
-             wait: bool = True, on_done: Callable[[int | None], None] | None = None) -> int | bool:
-        """See ``BlockStore.load``."""
-        if out is None:
-            if wait:
-                return self.stage(hit)
-            if on_done is None:
-                raise ValueError("a queued load (wait=False) reports through on_done")
-            return self._stage_later(hit, on_done)
-        if not wait:
-            raise ValueError("only a load into L1 (out=None) can be queued")
-        if isinstance(out, ByteRuns):
-            return self._into_runs(hit, out)
-        return self._into_tensors(hit, out)
-
     # ------------------------------------------------------------ tensors
-    def _into_tensors(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor) -> int:
+    def load_into(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor) -> int:
         """Copy the hit's blocks into ``out[i]``; returns how many leading blocks are valid."""
         p = self.p
         keys = hit.chain.keys
@@ -167,14 +152,14 @@ class Loader:
         finally:
             p.index.unpin(lease)
 
-    def _stage_later(self, hit: Hit, on_done: Callable[[int | None], None]) -> bool:
+    def stage_later(self, hit: Hit, on_done: Callable[[int | None], None]) -> bool:
         """``stage`` on a save thread; ``on_done(n)`` hears how many leading blocks are in L1, or
         None if the job raised. False (and nothing queued) when the queue is full."""
         missing = sum(s is None for s in self.p.l1.slots_of(hit.chain.keys))
         return self.p.saver.submit(missing, lambda: on_done(self.stage(hit)), on_fail=lambda: on_done(None))
 
     # ------------------------------------------------------ caller's memory
-    def _into_runs(self, hit: Hit, runs: ByteRuns) -> int:
+    def load_runs(self, hit: Hit, runs: ByteRuns) -> int:
         """Load the hit's blocks into the caller's memory with no staging copy.
 
         Block i comes from its L1 slot where resident (``runs.from_l1(i, slot)`` copies it), else

@@ -1,36 +1,24 @@
-"""The store protocol: its primitives, and the handles they pass around.
+"""The store protocol: ``StoreProtocol``, the contract engine glue programs against, and the
+handles it passes around (``Hit``, ``Reservation``, ``ByteRuns``, ``Arena``).
 
-``BlockStore`` (``store/__init__.py``) offers these primitives, modeled on vLLM's
-``kv_offload/abstract.py``; every one is thread-safe:
-
-- ``lookup(ns, tokens, extra, pin=)`` / ``lookup_chain(ns, epoch, chain, pin=)``: the longest
-  valid stored prefix, as a ``Hit``. With ``pin=True`` this is also vLLM's ``prepare_load``: the
-  hit's blocks are pinned by key in the same index call, so none is evicted or reused until
-- ``complete_load(hit)``: gives the pin back.
-- ``load(hit, out)``: copies the hit's blocks into ``out``, fastest tier first, and returns how
-  many leading blocks are valid. ``out`` is tensors, or ``ByteRuns`` (direct disk I/O on the
-  caller's memory), or nothing: the blocks are made resident in L1 (staging), at once or, with
-  ``wait=False``, on the background threads.
-- ``prepare_store(ns, epoch, chain, size)``: fresh L1 slots for the blocks not stored yet, as a
-  ``Reservation`` nobody can see; the caller fills them (``arena.data[slot]``), then
-- ``complete_store(res, success)``: publishes them (and writes them through) or gives them back.
-- ``save(ns, epoch, chain, src)``: the one-call write of the same path: tensors staged through
-  L1, or ``ByteRuns`` straight to disk; queued, or with ``wait=True`` synchronous.
-- ``describe(ns)``: records what a namespace is (model, weights version, dtype, layout, tenant)
-  beside its epoch, once at start, for ``kvstrata stats`` and ``invalidate --model``.
-- ``stored_mask``, ``invalidate``, ``gc``, ``stats``, ``flush``, ``close``; ``arena`` is a
-  read-only view of the L1 arena for engines that copy KV in and out of its slots themselves.
+``BlockStore`` (``store/__init__.py``) implements it; modeled on vLLM's ``kv_offload/abstract.py``,
+every primitive is thread-safe. The adapters (``kvstrata.adapters``) use nothing else of the
+store: ``tests/test_protocol.py`` checks their imports and every ``store.<name>`` they touch.
 
 A hit's blocks come from L1, else from the first backing tier that holds them; bytes that come
 from outside the process are checksummed, and a bad copy is deleted, counted, and it and every
 block after it are reported as not loaded, so the engine recomputes them. Writes are
 copy-on-write: a block is copied into a fresh slot or file and only then committed to the index,
-so a reader never sees a partial block.
+so a reader never sees a partial block. Lookups and loads are timed and counted inside the store
+(``lookup_seconds``, ``load_seconds_<tier>``, ``hit_blocks_<tier>``); the engine says what it
+took (``count_served``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
+
+import numpy as np
 
 from ..index import EntryMeta
 from ..keys import BlockChain, Namespace
@@ -111,3 +99,70 @@ class Arena:
     def unlink(self) -> None:
         """Remove the shared file's name; mappings stay valid until their processes drop them."""
         self._l1.close()
+
+
+class StoreProtocol(Protocol):
+    """What engine glue may ask of a store. Grouped as they are used:
+
+    - keys: ``chain`` (a prompt's chained block keys under the current generation),
+      ``tail_block``, ``page_chain`` (pages keyed by the engine's own chained digests),
+      ``current_epoch``;
+    - lookups: ``lookup`` / ``lookup_chain`` (the longest valid stored prefix as a ``Hit``; with
+      ``pin`` also vLLM's ``prepare_load``: nothing of it is evicted or reused until
+      ``complete_load``), ``stored_mask``, ``origins`` (the tier each block is served from);
+    - loads, one name per destination: ``load_into`` (tensors), ``load_runs`` (the caller's
+      memory, disk reads straight into it), ``stage`` / ``stage_later`` (into L1, now or on a
+      background thread);
+    - stores: ``prepare_store`` then ``complete_store`` (the caller fills fresh L1 slots),
+      ``save`` (queued) / ``save_now`` / ``save_runs`` (straight to disk from the caller's memory);
+    - figures: ``count_served``, ``snapshot``, ``listen`` (tier changes), ``tier_bits``;
+    - control: ``describe``, ``invalidate``, ``flush``, ``close``; and the L1 ``arena`` view with
+      the capabilities ``direct_reads``, ``direct_writes``, ``max_runs``.
+    """
+
+    @property
+    def arena(self) -> Arena: ...
+    @property
+    def direct_reads(self) -> bool: ...
+    @property
+    def direct_writes(self) -> bool: ...
+    @property
+    def max_runs(self) -> int: ...
+    @property
+    def tier_bits(self) -> dict[str, int]: ...
+
+    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = ...,
+              *, partial: bool = True) -> tuple[int, BlockChain]: ...
+    def tail_block(self, ns: Namespace, epoch: int, parent: bytes | None, tokens: Sequence[int] | np.ndarray,
+                   extra: bytes = ...) -> BlockChain: ...
+    def page_chain(self, ns: Namespace, epoch: int, digests: Sequence[bytes]) -> BlockChain: ...
+    def current_epoch(self, ns: Namespace) -> int: ...
+
+    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = ...,
+               *, pin: bool = False) -> Hit: ...
+    def lookup_chain(self, ns: Namespace, epoch: int, chain: BlockChain, *, pin: bool = False) -> Hit: ...
+    def complete_load(self, hit: Hit) -> None: ...
+    def stored_mask(self, ns: Namespace, epoch: int, chain: BlockChain) -> np.ndarray: ...
+    def origins(self, hit: Hit) -> list[str]: ...
+
+    def load_into(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor) -> int: ...
+    def load_runs(self, hit: Hit, runs: ByteRuns) -> int: ...
+    def stage(self, hit: Hit) -> int: ...
+    def stage_later(self, hit: Hit, on_done: Callable[[int | None], None]) -> bool: ...
+
+    def prepare_store(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation: ...
+    def complete_store(self, res: Reservation, success: bool = True, *, wait: bool = False) -> int: ...
+    def save(self, ns: Namespace, epoch: int, chain: BlockChain, src: Any,
+             on_done: Callable[[int], None] | None = None) -> bool: ...
+    def save_now(self, ns: Namespace, epoch: int, chain: BlockChain, src: Any) -> int: ...
+    def save_runs(self, ns: Namespace, epoch: int, chain: BlockChain, runs: ByteRuns) -> int: ...
+
+    def count_served(self, origins: Sequence[str], tokens: Sequence[int], *, copied_from_l1: bool = True,
+                     l1_bytes: int = 0) -> None: ...
+    def snapshot(self) -> dict[str, int]: ...
+    def listen(self, listener: Callable[[str, Sequence[Any], bool], None]) -> None: ...
+
+    def describe(self, ns: Namespace) -> None: ...
+    def invalidate(self, ns_seed: bytes) -> int | None: ...
+    def flush(self, timeout: float | None = None) -> bool: ...
+    def close(self) -> None: ...

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..blockfmt import payload_checksum, payload_checksum_of
+from ..blockfmt import payload_checksum_of
 from ..index import EntryMeta
 from ..keys import BlockChain, Namespace
 from ..tiers import BlockTier
@@ -52,19 +52,9 @@ class Writer:
         return self.p.l2_written_through and self.p.remote is None
 
     # ------------------------------------------------------------------ save
-    def save(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads | ByteRuns, *,
-             wait: bool = False, on_done: Callable[[int], None] | None = None) -> bool | int:
-        """Store ``chain``'s blocks not stored yet. See ``BlockStore.save``."""
-        if isinstance(src, ByteRuns):
-            if not wait:
-                raise ValueError("a save from ByteRuns is synchronous: pass wait=True")
-            return self._save_direct(ns, epoch, chain, src)
-        if wait:
-            if on_done is not None:
-                raise ValueError("on_done is for queued saves (wait=False)")
-            stored = self._put_chain(ns, epoch, chain, src)
-            self.write_through(stored)
-            return len(stored)
+    def save(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads,
+             on_done: Callable[[int], None] | None = None) -> bool:
+        """Store ``chain``'s blocks not stored yet, on a save thread. See ``BlockStore.save``."""
         n = len(chain.keys)
         reported = threading.Event()  # on_done runs exactly once, even when the job raises
 
@@ -85,6 +75,12 @@ class Writer:
             return True
         self.p.counters.inc("saves_dropped", n)
         return False
+
+    def save_now(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads) -> int:
+        """``save`` on the calling thread; returns the blocks stored."""
+        stored = self._put_chain(ns, epoch, chain, src)
+        self.write_through(stored)
+        return len(stored)
 
     def _todo(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> tuple[list[int], list[EntryMeta]]:
         """Indices and metadata of the blocks of ``chain`` that are not validly stored yet."""
@@ -132,13 +128,6 @@ class Writer:
             p.counters.tier_changed(p.l1.name, [meta for meta, _ in stored], True)
         return stored
 
-    def _commit(self, metas: list[EntryMeta], tier: BlockTier) -> int:
-        """Commit blocks written to a backing tier; tells the tier listener. Returns how many."""
-        rows = self.p.index.commit_many(metas, tier.bit) if metas else []
-        done = [meta for meta, row in zip(metas, rows) if row is not None]
-        self.p.counters.tier_changed(tier.name, done, True)
-        return len(done)
-
     # ----------------------------------------- slots the caller fills itself
     def prepare_store(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
         _todo, metas = self._todo(ns, epoch, chain, size)
@@ -182,11 +171,11 @@ class Writer:
         with self._pinned_slots(stored) as todo:
             written = self._write_l2_now([meta for meta, _slot in todo],
                                          lambda k: [memoryview(data[todo[k][1], : todo[k][0].size].numpy())])
-        self._commit(written, p.l2)
+        self.evictor.commit(written, p.l2)
         self.evictor.enforce_capacity(p.l2)
 
     # ------------------------------------------- direct from caller memory
-    def _save_direct(self, ns: Namespace, epoch: int, chain: BlockChain, src: ByteRuns) -> int:
+    def save_runs(self, ns: Namespace, epoch: int, chain: BlockChain, src: ByteRuns) -> int:
         """Write the blocks of ``chain`` not validly stored yet straight from the caller's runs to
         L2: each is checksummed by streaming, written with one ``pwritev`` to a temp file and
         published by rename; all are committed to the index once written. L1 is bypassed. The
@@ -196,7 +185,7 @@ class Writer:
             raise ValueError("direct writes need L2 written through and no shared tier (see direct_writes)")
         todo, metas = self._todo(ns, epoch, chain, src.size)
         done = self._write_l2_now(metas, lambda k: src.runs(todo[k]))
-        stored = self._commit(done, p.l2)
+        stored = self.evictor.commit(done, p.l2)
         p.counters.inc("saved_blocks", stored)
         self.evictor.enforce_capacity(p.l2)
         return stored
@@ -228,7 +217,7 @@ class Writer:
             return
         with self._pinned_slots(stored) as todo:
             if todo and p.l1.data is not None:
-                self.write_backing([m for m, _ in todo], [p.l1.data[s, : m.size] for m, s in todo], tiers)
+                self.evictor.write_backing([m for m, _ in todo], [p.l1.data[s, : m.size] for m, s in todo], tiers)
         for tier in p.backing:  # blocks pinned during the write could not be evicted then
             self.evictor.enforce_capacity(tier)
 
@@ -247,20 +236,3 @@ class Writer:
         finally:
             if lease is not None:
                 index.unpin(lease)
-
-    def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor],
-                      tiers: list[BlockTier] | None = None) -> int:
-        """Checksum blocks and publish them on the backing tiers (default: all), then commit them.
-
-        Used by write-through, demotion and the benchmark. Returns how many the first tier took.
-        """
-        metas = [m._replace(checksum=payload_checksum(memoryview(p[: m.size].numpy())))
-                 for m, p in zip(metas, payloads)]
-        first = 0
-        for tier in self.p.backing if tiers is None else tiers:
-            self.evictor.make_room(tier, sum(tier.stored_bytes(m.size) for m in metas))
-            ok = tier.write_many(metas, list(payloads))
-            committed = self._commit([m for m, good in zip(metas, ok) if good], tier)
-            self.evictor.enforce_capacity(tier)
-            first = first or committed
-        return first

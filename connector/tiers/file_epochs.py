@@ -11,8 +11,9 @@ import stat
 from pathlib import Path
 from typing import Callable
 
-from ..epochs import (PolledEpochs, Retired, T, new_generation, parse_generation, read_descriptor, read_head,
+from ..epochs import (Retired, new_generation, parse_generation, read_descriptor, read_head,
                       temp_name, write_atomic, write_descriptor, write_new)
+from ..polled_epochs import PolledEpochs, T
 from .folder import make_folder
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,12 @@ class FileEpochs(PolledEpochs):
 
     def known(self) -> list[bytes]:
         out = []
-        for p in self._root.iterdir():
+        try:
+            names = list(self._root.iterdir())
+        except OSError as e:
+            log.warning("kvstrata epochs: cannot list %s: %s", self._root, e)
+            return []
+        for p in names:
             if len(p.name) == 32 and not p.name.startswith("."):
                 try:
                     out.append(bytes.fromhex(p.name))

@@ -13,7 +13,8 @@ from typing import Callable
 
 from ..config import RemoteConfig
 from ..describe import MAX_BYTES as _MAX_DESCRIPTOR
-from ..epochs import PolledEpochs, Retired, T, new_generation, parse_generation, read_descriptor, write_descriptor
+from ..epochs import Retired, new_generation, parse_generation, read_descriptor, write_descriptor
+from ..polled_epochs import PolledEpochs, T
 from .redis import RedisTier
 from .redis_client import connect, is_wrong_type, service_errors, shown
 

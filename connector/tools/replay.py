@@ -60,7 +60,7 @@ def replay(cfg: StrataConfig, conversations: int) -> Report:
             t = time.perf_counter()
             hit = store.lookup(NS, tokens, pin=True)
             loaded = torch.empty((hit.num_blocks, BLOCK_BYTES), dtype=torch.uint8)
-            n_ok = store.load(hit, loaded)
+            n_ok = store.load_into(hit, loaded)
             store.complete_load(hit)
             load_s += time.perf_counter() - t
             if n_ok and not np.array_equal(loaded[:n_ok].numpy(), prefill(hit.chain.keys[:n_ok]).numpy()):

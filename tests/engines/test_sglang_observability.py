@@ -78,7 +78,8 @@ def run_scenario(model: str, tmp: Path, tier: str, **extra: Any) -> dict[str, An
         server.flush()
         out["hit"] = server.generate(IDS, 8)
         out["m2"] = scrape_until(server, lambda t: series(t, "kvstrata_load_seconds_count", tier=tier) > 0)
-    out["direct"] = "direct disk I/O" in (tmp / "server.log").read_text(errors="replace")
+    out["log"] = (tmp / "server.log").read_text(errors="replace")
+    out["direct"] = "direct disk I/O" in out["log"]
     out["files"] = len(block_files(cfg))
     for name in ("m0", "m1", "m2"):  # kept beside the server log, for a look after a failure
         (tmp / f"{name}.metrics").write_text(out[name])
@@ -90,6 +91,15 @@ def served(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     """The shipped set-up: kvstrata's L1 (256 MiB) is larger than SGLang's host pool, so pages go
     through L1 and the hit is served from it."""
     return run_scenario(model, tmp_path_factory.mktemp("sglang-observability"), "l1")
+
+
+@needs_sglang
+def test_kvstrata_start_up_line_is_in_sglangs_log(served):
+    """SGLang configures the root logger, which kvstrata's logger reaches by propagation: its
+    start-up line (namespace, page size, I/O path) is in the server's log, in SGLang's format."""
+    lines = [line for line in served["log"].splitlines() if "kvstrata: namespace" in line]
+    assert lines, served["log"][-3000:]
+    assert lines[0].startswith("[") and "TP0" in lines[0], lines[0]  # SGLang's "[time TP0] message" format
 
 
 @needs_sglang

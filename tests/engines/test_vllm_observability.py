@@ -28,6 +28,7 @@ pytest.importorskip("vllm")
 zmq = pytest.importorskip("zmq")
 import msgspec  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+from vllm.v1.kv_offload.base import Locality, Medium  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = ids(11, 500)  # 15 full blocks, a 20-token tail
@@ -76,8 +77,13 @@ class Events:
         self.sock.close(linger=0)
 
 
-def hashes(events: list[Any], kind: type, medium: str) -> list[Any]:
-    return [h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes]
+L1 = (Medium.CPU.value, Locality.LOCAL.value)  # vLLM's own offloading tiers announce these
+L2 = (Medium.STORAGE.value, Locality.LOCAL.value)
+
+
+def hashes(events: list[Any], kind: type, medium: str, locality: str | None = None) -> list[Any]:
+    return [h for e in events if isinstance(e, kind) and e.medium == medium
+            and (locality is None or e.locality == locality) for h in e.block_hashes]
 
 
 def scrape_until(server: VllmServer, ready) -> str:  # type: ignore[no-untyped-def]
@@ -175,23 +181,23 @@ def test_histograms_have_samples_and_gauges_show_what_is_resident(served):
 def test_committed_blocks_are_announced_with_vllms_own_block_hashes(served):
     ev = served["ev_cold"]
     gpu = hashes(ev, BlockStored, "GPU")
-    cpu = hashes(ev, BlockStored, "CPU")
+    cpu = hashes(ev, BlockStored, *L1)
     assert len(gpu) == FULL and cpu == gpu  # the same hashes, the same order: a router can match them
     # L2 is written through, on a save thread: announced in that step or the next one.
-    assert sorted(hashes(ev + served["ev_hit"], BlockStored, "DISK")) == sorted(gpu)
-    stored = [e for e in ev if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert sorted(hashes(ev + served["ev_hit"], BlockStored, *L2)) == sorted(gpu)
+    stored = [e for e in ev if isinstance(e, BlockStored) and (e.medium, e.locality) == L1]
     assert [t for e in stored for t in e.token_ids] == PROMPT[: FULL * BS]
     assert all(e.block_size == BS for e in stored) and stored[0].parent_block_hash is None
-    assert {e.locality for e in ev if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK")} <= {"LOCAL"}
+    assert L1 in {(e.medium, e.locality) for e in ev if isinstance(e, BlockStored)} <= {L1, L2, ("GPU", None)}
 
 
 def test_a_hit_announces_nothing_new_and_a_connector_reset_removes_every_block(served):
-    assert not hashes(served["ev_hit"], BlockStored, "CPU")  # already announced
-    assert not hashes(served["ev_cold"] + served["ev_hit"], BlockRemoved, "CPU")
+    assert not hashes(served["ev_hit"], BlockStored, *L1)  # already announced
+    assert not hashes(served["ev_cold"] + served["ev_hit"], BlockRemoved, *L1)
     gpu = hashes(served["ev_cold"], BlockStored, "GPU")
     ev = served["ev_reset"]
-    assert sorted(h for h in hashes(ev, BlockRemoved, "CPU") if h in gpu) == sorted(gpu)
-    assert sorted(h for h in hashes(ev, BlockRemoved, "DISK") if h in gpu) == sorted(gpu)
+    assert sorted(h for h in hashes(ev, BlockRemoved, *L1) if h in gpu) == sorted(gpu)
+    assert sorted(h for h in hashes(ev, BlockRemoved, *L2) if h in gpu) == sorted(gpu)
 
 
 def test_after_a_restart_a_disk_hit_is_announced_on_disk(model, first_server, served, events):
@@ -219,14 +225,25 @@ def test_after_a_restart_a_disk_hit_is_announced_on_disk(model, first_server, se
     assert done.cached_tokens == len(OTHER) - 1
     gpu = hashes(ev, BlockStored, "GPU")
     assert len(gpu) == FULL
-    assert sorted(hashes(ev, BlockStored, "DISK")) == sorted(gpu)  # found on disk, this run's hashes
-    assert sorted(hashes(ev, BlockStored, "CPU")) == sorted(gpu)  # staged into L1
+    assert sorted(hashes(ev, BlockStored, *L2)) == sorted(gpu)  # found on disk, this run's hashes
+    assert sorted(hashes(ev, BlockStored, *L1)) == sorted(gpu)  # staged into L1
     grew = {name: series(text, name, **labels) - series(before, name, **labels) for name, labels in (
         ("kvstrata_hit_tokens_total", {"tier": "l2"}), ("kvstrata_load_seconds_count", {"tier": "l2"}),
         ("vllm:prompt_tokens_cached_by_source_total", {"source": "disk"}))}
     assert grew["kvstrata_hit_tokens_total"] == len(OTHER) - 1
     assert grew["kvstrata_load_seconds_count"] >= 1
     assert grew["vllm:prompt_tokens_cached_by_source_total"] == len(OTHER) - 1
+
+
+def test_kvstrata_start_up_lines_are_in_the_engines_log_in_its_format(first_server, served):
+    """vLLM configures handlers for its ``vllm`` logger only; kvstrata's INFO lines (the namespace
+    and arena at start, the reset) go through them (``adapters/logs.py``)."""
+    server, _cfg = first_server
+    log = server.tail(2_000_000)
+    lines = [line for line in log.splitlines() if "kvstrata: namespace" in line and " INFO " in line]
+    assert lines, log[-3000:]
+    assert "(EngineCore" in lines[0] and "pid=" in lines[0], lines[0]  # vLLM's format: process and pid
+    assert sum("is now at generation" in line for line in log.splitlines()) == 1, log[-3000:]  # the reset, once
 
 
 def test_every_metric_of_the_grafana_dashboard_is_in_a_real_scrape(served):

@@ -218,7 +218,7 @@ def test_tp2_cold_run_stores_every_block_and_matches_no_connector(tp_runs):
     # FORK_B reuses FORK_A's blocks of the same step through vLLM's own prefix cache; kvstrata
     # has committed nothing yet when the batch is looked up.
     assert cold["cached"] == [0, 0, (len(SHARED) // BS) * BS]
-    assert counters.get("vllm_loaded_tokens", 0) == 0 and counters["saved_blocks"] > 0
+    assert counters.get("served_tokens", 0) == 0 and counters["saved_blocks"] > 0
     # Both ranks mapped the arena (each reports its rank), so the file is gone from /dev/shm.
     assert len(before["names"]) == 1 and after["names"] == []
 
@@ -231,7 +231,7 @@ def test_tp2_l1_hit_after_prefix_cache_reset_matches_no_connector(tp_runs):
     assert hit["cached"] == [len(p) - 1 for p in PROMPTS]
     # LONG and FORK_A come from kvstrata whole; FORK_B may take its shared blocks from FORK_A's
     # blocks of the same step (vLLM's own cache) and the rest from kvstrata.
-    loaded = counters["vllm_loaded_tokens"] - cold_counters.get("vllm_loaded_tokens", 0)
+    loaded = counters["served_tokens"] - cold_counters.get("served_tokens", 0)
     assert len(LONG) - 1 + len(FORK_A) - 1 < loaded <= sum(len(p) - 1 for p in PROMPTS)
 
 
@@ -240,7 +240,7 @@ def test_tp2_l2_hit_in_a_fresh_engine_matches_no_connector(tp_runs):
     hit, counters = tp_runs["second"]
     assert hit["tokens"] == tp_runs["baseline"][0]["tokens"]
     assert hit["cached"] == [len(p) - 1 for p in PROMPTS]
-    assert counters["vllm_loaded_tokens"] > len(LONG) - 1 + len(FORK_A) - 1
+    assert counters["served_tokens"] > len(LONG) - 1 + len(FORK_A) - 1
     # Every distinct block and prompt tail was committed by the first engine (both ranks' shards,
     # or the outputs would differ) and is read from disk once here.
     distinct = {tuple(p[: (i + 1) * BS]) for p in PROMPTS for i in range(len(p) // BS)}

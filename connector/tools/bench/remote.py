@@ -127,7 +127,7 @@ def _round_trips(url: str, tmp: Path) -> int:
     a, b = _store(url, tmp, "rt-a"), _store(url, tmp, "rt-b")
     tokens = np.random.default_rng(0).integers(0, 30000, 64 * 16, dtype=np.uint32)
     epoch, chain = a.chain(NS, tokens)
-    a.save(NS, epoch, chain, torch.zeros((64, 4096), dtype=torch.uint8), wait=True)
+    a.save_now(NS, epoch, chain, torch.zeros((64, 4096), dtype=torch.uint8))
     a.flush()
     server = redis.Redis.from_url(url)
     b.lookup(NS, tokens[:10])  # open connections, as between requests

@@ -95,10 +95,10 @@ def _memory_and_disk(block_bytes: int, total: int, rounds: int, tmp: Path) -> di
                 dst[i].copy_(src[i])
 
         res["memcpy"].append(_median_time(memcpy, 1))
-        res["l1_put"].append(_median_time(lambda: store.save(ns, epoch, chain, src, wait=True), 1))
+        res["l1_put"].append(_median_time(lambda: store.save_now(ns, epoch, chain, src), 1))
         hit = store.lookup(ns, tokens)
         assert hit.num_blocks == n
-        res["l1_get"].append(_median_time(lambda: store.load(hit, dst), 1))
+        res["l1_get"].append(_median_time(lambda: store.load_into(hit, dst), 1))
 
         def pwrite(lo: int, hi: int) -> None:
             for i in range(lo, hi):
@@ -115,7 +115,7 @@ def _memory_and_disk(block_bytes: int, total: int, rounds: int, tmp: Path) -> di
         metas = [store.index.meta(int(row)) for row in store.index.rows_of(chain.keys)]
 
         def disk_put(lo: int, hi: int) -> None:
-            store.writer.write_backing(metas[lo:hi], list(src[lo:hi]))
+            store._evictor.write_backing(metas[lo:hi], list(src[lo:hi]))
 
         def disk_get(lo: int, hi: int) -> None:
             for i in range(lo, hi):
@@ -144,7 +144,7 @@ def _lookup(n_blocks: int, rounds: int, tmp: Path) -> dict[str, float | None]:
     ns = _ns(16)
     tokens = np.random.default_rng(0).integers(0, 150_000, n_blocks * 16, dtype=np.uint32)
     epoch, chain = store.chain(ns, tokens)
-    store.save(ns, epoch, chain, torch.zeros((n_blocks, 64), dtype=torch.uint8), wait=True)
+    store.save_now(ns, epoch, chain, torch.zeros((n_blocks, 64), dtype=torch.uint8))
 
     def lookup() -> None:
         hit = store.lookup(ns, tokens)

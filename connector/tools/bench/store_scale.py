@@ -118,7 +118,7 @@ def scale_fields(n: int, tmp: Path, progress: bool = True) -> dict[str, object]:
             raise RuntimeError(f"the first lookup found {hit.num_blocks} of {PROMPT_BLOCKS} stored blocks")
         buf = torch.empty((PROMPT_BLOCKS, SCALE_BLOCK_BYTES), dtype=torch.uint8)
         t2 = time.perf_counter()
-        if store.load(hit, buf) != PROMPT_BLOCKS:
+        if store.load_into(hit, buf) != PROMPT_BLOCKS:
             raise RuntimeError("the first hit failed to load")
         out["first_load_ms_at_1m"] = round((time.perf_counter() - t2) * 1000, 2)
         if progress:
@@ -150,7 +150,7 @@ def _lookup_us(stores: list[BlockStore], n_blocks: int, rounds: int = 201) -> li
     tokens = np.random.default_rng(0).integers(0, 150_000, n_blocks * 16, dtype=np.uint32)
     for store in stores:
         epoch, chain = store.chain(ns, tokens)
-        store.save(ns, epoch, chain, torch.zeros((n_blocks, SCALE_BLOCK_BYTES), dtype=torch.uint8), wait=True)
+        store.save_now(ns, epoch, chain, torch.zeros((n_blocks, SCALE_BLOCK_BYTES), dtype=torch.uint8))
     times: list[list[float]] = [[] for _ in stores]
     for _ in range(rounds):
         for store, out in zip(stores, times):
