@@ -46,7 +46,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
