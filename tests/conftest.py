@@ -188,3 +188,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.write_line(", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     terminalreporter.write_line(f"by the tests' launchers: {len(starts) - len(tools)}; inside the kvstrata "
                                 f"commands the tests run (demo, bench): {len(tools)}")
+    files: dict[str, int] = {}
+    for s in starts:
+        name = s.get("test", "").split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py") or "?"
+        files[name] = files.get(name, 0) + 1
+    terminalreporter.write_line("by test file: " + ", ".join(
+        f"{name} {n}" for name, n in sorted(files.items(), key=lambda kv: -kv[1])))

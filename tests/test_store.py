@@ -400,6 +400,7 @@ def test_gc_of_another_instance_removes_recovered_old_epoch_files(tmp_path, ns):
     prompt and closes; B reopens the folder, recovering the blocks; C bumps the epoch (its own
     GC has nothing to remove); B.gc() then deletes the now-stale files it recovered."""
     with BlockStore(make_config(tmp_path)) as c:
+        assert c.wait_recovered(30)  # its scan is over before A writes, or it could learn them
         with BlockStore(make_config(tmp_path)) as a:
             chain, _ = store_prompt(a, ns, random_tokens("p", 48))
         with BlockStore(make_config(tmp_path)) as b:

@@ -232,7 +232,7 @@ def test_bad_backend_config_stops_the_server_at_start_with_kvstrata_message(serv
     finally:
         server.stop()  # one that came up anyway
     text = sglang_log(server)
-    assert "invalid kvstrata config" in text and "l1.colour: unknown key" in text
+    assert "invalid kvstrata config" in text and "l1.colour: unknown key" in text, text[-4000:]
 
 
 @needs_sglang

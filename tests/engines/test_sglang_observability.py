@@ -99,7 +99,8 @@ def test_kvstrata_start_up_line_is_in_sglangs_log(served):
     start-up line (namespace, page size, I/O path) is in the server's log, in SGLang's format."""
     lines = [line for line in served["log"].splitlines() if "kvstrata: namespace" in line]
     assert lines, served["log"][-3000:]
-    assert lines[0].startswith("[") and "TP0" in lines[0], lines[0]  # SGLang's "[time TP0] message" format
+    # SGLang's "[%Y-%m-%d %H:%M:%S{ TPn}] message" format (the rank suffix only where it runs more than one)
+    assert re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d( [A-Z]+\d+)*\] kvstrata: ", lines[0]), lines[0]
 
 
 @needs_sglang

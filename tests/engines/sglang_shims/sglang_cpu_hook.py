@@ -9,11 +9,14 @@ file (when ``SGLANG_USE_CPU_ENGINE=1``), and by tests that import SGLang in-proc
 - patches SGLang's HiCache host pool right after its modules are imported
   (``sglang_cpu_patches``): no host-memory registration, no pinned memory, and torch-indexing
   host<->device copies;
+- lowers the host memory HiCache leaves free beside its pool from 10 GiB to 1 GiB: the tests'
+  pools are a few tens of MB, and two engines share a 24 GiB machine, where the upstream reserve
+  made a server start fail ("Not enough host memory available") whenever the other one was busy;
 - makes the CPU attention backend attend only the new tokens of an extend over a cached prefix,
   as GPU backends do (upstream recomputes attention over the whole sequence, a floor that hides
   every cache path).
 
-The third gap, the ``sgl_kernel`` package, is the pure-torch stand-in beside this file.
+One more gap, the ``sgl_kernel`` package, is the pure-torch stand-in beside this file.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def install() -> None:
 
         return apply
 
+    _AFTER["sglang.srt.mem_cache.pool_host.base"] = _patch("patch_reserve")
     _AFTER["sglang.srt.mem_cache.pool_host.common"] = _patch("patch_common")
     _AFTER["sglang.srt.mem_cache.pool_host.mha"] = _patch("patch_mha")
     _AFTER["sglang.srt.mem_cache.pool_host.mla"] = _patch("patch_mla")

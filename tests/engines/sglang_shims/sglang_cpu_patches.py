@@ -19,6 +19,15 @@ from typing import Any, Sequence
 import torch
 
 
+TEST_HOST_RESERVE_BYTES = 1 << 30
+
+
+def patch_reserve(module: ModuleType) -> None:
+    """The free host memory a HiCache pool must leave: 1 GiB instead of upstream's 10 GiB (read by
+    ``host_memory_budget_bytes`` from the module at each call)."""
+    module.HICACHE_HOST_MEMORY_RESERVE_BYTES = TEST_HOST_RESERVE_BYTES
+
+
 def patch_common(module: ModuleType) -> None:
     module._cuda_host_register = lambda buffer, *args, **kwargs: buffer
     module._cuda_host_unregister = lambda buffer: None
