@@ -105,7 +105,9 @@ def test_check_finds_and_fixes_a_corrupted_block(tmp_path):
     assert json.loads(kvstrata("check", "--config", str(cfg), "--json").stdout)["bad"] == 0
 
 
-def test_bench_store_quick_prints_every_field():
+def test_bench_store_quick_prints_every_field(monkeypatch):
+    # No SGLang here (the unit layer): its comparison is tests/engines/test_bench_sglang.py's.
+    monkeypatch.setenv("KVSTRATA_SGLANG_PYTHON", "/nonexistent/python")
     res = kvstrata("bench", "store", "--quick", "--json")
     data = json.loads(res.stdout.strip().splitlines()[-1])
     for field in ("memcpy_gbps", "l1_put_gbps", "l1_get_gbps", "pwrite_gbps", "pread_gbps",
@@ -118,6 +120,7 @@ def test_bench_store_quick_prints_every_field():
         assert data[field] is None or data[field] > 0, field
     assert set(data["by_block_size"]) == {"256KiB", "1MiB", "4MiB"}
     assert data["scale_blocks"] == 2_000
+    assert data["sglang"] is None and "KVSTRATA_SGLANG_PYTHON" in data["sglang_reason"]
 
 
 def _keys(model: type, prefix: str = "") -> list[str]:

@@ -69,10 +69,13 @@ def python_has_cuda(python: str) -> bool:
 
 
 def cpu_flags(max_total_tokens: int) -> list[str]:
-    """Flags that make HiCache run on a CPU device (with the shims on the server's path)."""
+    """Flags that make HiCache run on a CPU device (with the shims on the server's path).
+
+    ``--sleep-on-idle``: an idle scheduler waits on its sockets instead of spinning a core at 100 %,
+    which on a CPU device is a core taken from the engine beside it (and from every other process)."""
     return ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
             "--max-total-tokens", str(max_total_tokens), "--hicache-io-backend", "direct",
-            "--hicache-mem-layout", "layer_first"]
+            "--hicache-mem-layout", "layer_first", "--sleep-on-idle"]
 
 
 def cpu_env(cache_root: Path) -> dict[str, str]:

@@ -93,10 +93,13 @@ def test_other_extra_key_or_cache_salt_never_hits_another_tenants_pages(servers,
     assert first["tokens"] == other["tokens"] == salted["tokens"] == again["tokens"]
 
 
-def _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, seeds: tuple[int, int], path: str) -> str:
+def _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, seeds: tuple[int, int], path: str,
+                                                   fresh: bool = True) -> str:
     """Two prompts stored by one server (through ``path``: its log line), one page of the second
-    damaged on disk; a fresh server on the same disk tier loads the first fully, the second up to
-    the damaged page, and gives the same outputs. Returns the fresh server's log."""
+    damaged on disk; a fresh server on the same disk tier (or, without ``fresh``, the same one
+    after ``/flush_cache``: for a config whose reads never pass through kvstrata's L1) loads the
+    first fully, the second up to the damaged page, and gives the same outputs. Returns the
+    log of the server that loaded them."""
     server = servers.get(config)
     shared, damaged = _ids(seeds[0]), _ids(seeds[1])
     first_shared, _ = stored(server, config, shared, block_files(config))
@@ -107,7 +110,10 @@ def _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, seeds: tuple
     data[-100] ^= 0x5A
     victim.write_bytes(bytes(data))
 
-    server = servers.get(config, fresh=True)
+    if fresh:
+        server = servers.get(config, fresh=True)
+    else:
+        server.flush()
     again_shared = sglang_generate(server, shared)
     again_damaged = sglang_generate(server, damaged)
     assert storage_share(again_shared, shared) >= 0.9
@@ -185,9 +191,10 @@ def test_zero_copy_with_page_first_host_layout_is_served_from_storage(servers, t
 @needs_sglang
 def test_l1_smaller_than_host_pool_moves_pages_directly_and_never_serves_a_corrupt_page(servers, tmp_path):
     """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight
-    between the pool and their files; a fresh server loads them, and stops at a damaged page."""
+    between the pool and their files; after SGLang's caches are flushed the same server loads
+    them from their files again (nothing of them is in L1), and stops at a damaged page."""
     config = sglang_config(tmp_path / "direct.json", tmp_path / "l2", l1={"size": "4MiB"})
-    log = _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, (8, 9), "direct disk I/O")
+    log = _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, (8, 9), "direct disk I/O", fresh=False)
     assert "payload checksum mismatch" in log
 
 

@@ -1,7 +1,8 @@
 """Two real vLLM engines sharing the remote tier (Redis standalone, Redis Cluster, shared folder).
 
 Each pair of engines (own L1 and L2, one shared tier) is started together and serves every test
-of its backend, each test under cache salts of its own.
+of its backend, each test under cache salts of its own (the last one, Redis killed under the
+"redis" pair, under prompts no other test sends).
 """
 
 from __future__ import annotations
@@ -44,21 +45,33 @@ def wait_published(engine: StepEngine, before: dict[str, int], blocks: int = len
         time.sleep(0.3)
 
 
-@pytest.fixture(scope="module")
-def pairs(model, tmp_path_factory) -> Iterator:  # noqa: ANN001
+class Pairs:
     """``pairs(backend)``: two engines (``a``, ``b``) on a fresh shared tier of that backend,
-    started on first use and kept for the module."""
-    made: dict[str, tuple[StepEngine, StepEngine]] = {}
-    with contextlib.ExitStack() as stack:
-        def get(backend: str) -> tuple[StepEngine, StepEngine]:
-            if backend not in made:
-                tmp = tmp_path_factory.mktemp(f"remote-{backend}")
-                shared = stack.enter_context(redisutil.shared_backend(backend, tmp))
-                made[backend] = tuple(stack.enter_context(StepEngine(model, tmp, remote_config(tmp, n, shared),
-                                                                     name=f"{backend}-{n}")) for n in "ab")
-            return made[backend]
+    started on first use and kept for the module; ``pairs.redis``: the standalone Redis of the
+    "redis" pair as (port, [process], folder), so a test can kill and restart it."""
 
-        yield get
+    def __init__(self, model: str, tmp_path_factory: pytest.TempPathFactory, stack: contextlib.ExitStack) -> None:
+        self.model, self.tmp_path_factory, self.stack = model, tmp_path_factory, stack
+        self.made: dict[str, tuple[StepEngine, StepEngine]] = {}
+        self.redis: tuple[int, list, Path] | None = None
+
+    def __call__(self, backend: str) -> tuple[StepEngine, StepEngine]:
+        if backend not in self.made:
+            tmp = self.tmp_path_factory.mktemp(f"remote-{backend}")
+            if backend == "redis":
+                url, port, procs = self.stack.enter_context(redisutil.standalone(tmp / "redis"))
+                self.redis, shared = (port, procs, tmp / "redis"), {"backend": "redis", "url": url}
+            else:
+                shared = self.stack.enter_context(redisutil.shared_backend(backend, tmp))
+            self.made[backend] = tuple(self.stack.enter_context(  # type: ignore[assignment]
+                StepEngine(self.model, tmp, remote_config(tmp, n, shared), name=f"{backend}-{n}")) for n in "ab")
+        return self.made[backend]
+
+
+@pytest.fixture(scope="module")
+def pairs(model, tmp_path_factory) -> Iterator[Pairs]:  # noqa: ANN001
+    with contextlib.ExitStack() as stack:
+        yield Pairs(model, tmp_path_factory, stack)
 
 
 @pytest.mark.parametrize("backend", ["redis", "cluster", "fs"])
@@ -87,27 +100,22 @@ def test_reset_on_one_engine_stops_hits_on_the_other(pairs):
     assert after["tokens"] == hit["tokens"] == ra[0]["tokens"]
 
 
-def test_redis_killed_mid_run_fails_no_request_and_hits_resume_after_restart(model, baseline, tmp_path):
-    """Engines of its own: Redis is killed and restarted under ``a`` (timeout 100 ms); ``b`` starts
-    after the restart and loads from Redis what ``a`` stored then."""
+def test_redis_killed_mid_run_fails_no_request_and_hits_resume_after_restart(pairs, baseline):
+    """The "redis" pair, last in the module: Redis is killed and restarted (empty) under both
+    engines; ``a`` serves every request right, before, during and after; after the restart ``b``,
+    idle through it all, loads from Redis what ``a`` stored then."""
+    a, b = pairs("redis")
+    port, procs, folder = pairs.redis
     p1, p2, p3 = LONG, LONG[::-1], [t + 1 for t in LONG]
-    with redisutil.standalone(tmp_path / "redis") as (url, port, procs):
-        remote = {"backend": "redis", "url": url, "timeout_ms": 100}
-        engines = [StepEngine(model, tmp_path, remote_config(tmp_path, "a", remote), name="a")]
-        try:
-            a = engines[0]
-            ra = a.run([gen(p1)])
-            redisutil.stop(procs.pop())
-            ra += a.run([gen(p2), gen(p1)])
-            procs.append(redisutil.start(port, tmp_path / "redis"))
-            engines.append(b := StepEngine(model, tmp_path, remote_config(tmp_path, "b", remote), name="b"))
-            _, before, last = a.run([{"op": "sleep", "s": 2.5}, {"op": "counters"}, gen(p3)])
-            ra.append(last)
-            wait_published(a, before)
-            rb = b.run([gen(p3), {"op": "counters"}])
-        finally:
-            for engine in engines:
-                engine.close(timeout=0)  # killed: nothing left to save (a clean stop waits on the lost Redis)
+    ra = a.run([gen(p1)])
+    redisutil.stop(procs.pop())
+    ra += a.run([gen(p2), gen(p1)])
+    procs.append(redisutil.start(port, folder))
+    _, before, last = a.run([{"op": "sleep", "s": 2.5}, {"op": "counters"}, gen(p3)])
+    ra.append(last)
+    wait_published(a, before)
+    counted = b.counters()
+    rb = b.run([gen(p3), {"op": "counters"}])
     assert [r["tokens"] for r in ra] == [baseline(p1), baseline(p2), baseline(p1), baseline(p3)]
     assert rb[0]["cached"] >= 0.9 * len(p3) and rb[0]["tokens"] == baseline(p3)
-    assert rb[1]["hit_blocks_remote"] > 0
+    assert rb[1]["hit_blocks_remote"] - counted.get("hit_blocks_remote", 0) > 0

@@ -16,6 +16,8 @@ prefix), so no figure includes first-request overheads.
 - ``l3``: kvstrata's connector with the CPU tier and the shared Redis tier (no disk tier), in a fresh
   engine process per measurement, like ``l2``: L1 and L2 empty, the prompt loaded from Redis, which
   one earlier process filled (``--redis-url``, flushed first, else a private ``redis-server``).
+  The last measured engine of each also serves the output (after a reset of vLLM's own cache, the
+  prompt comes through kvstrata again in the engine that loaded it from that tier).
 - ``peer``: vLLM's ``ExampleConnector`` (store once, then reset + request).
 - ``lmcache``: LMCache 0.5.6 in multiprocess mode (``LMCacheMPConnector`` and an ``lmcache server``),
   installed on first use into its own folder beside the venv, used only by those subprocesses.
@@ -182,19 +184,19 @@ def hit_steps(rounds: int) -> list[str]:
 
 
 def run_fresh(runner: Runner, name: str, kv: dict, rounds: int) -> dict:
-    """Store once, then one fresh engine per measurement (and one for the output) on the same store.
+    """One fresh engine per measurement on a store an earlier engine filled (``store_engine``).
 
     Each measured engine warms up on a prompt of its own that nothing stored (a cold request), so
-    its timed request is its first hit: what a user's first request after a restart pays."""
-    runner.engine(f"{name}-store", kv, True, ["store"])
-    n = len(runner.base["prompt"])
-    runs = [runner.engine(f"{name}-{i}", kv, True, ["warmup", "time"],
-                          warmup=make_prompt(runner.base["model"], n, 100 + i)) for i in range(rounds)]
-    out = runner.engine(f"{name}-output", kv, True, ["warmup", "output"],
-                        warmup=make_prompt(runner.base["model"], n, 99))
+    its timed request is its first hit: what a user's first request after a restart pays. The
+    last one then serves the output: after a reset of vLLM's own prefix cache, the prompt comes
+    through kvstrata again, in that engine that loaded it from the tier measured."""
+    n, runs = len(runner.base["prompt"]), []
+    for i in range(rounds):
+        steps = ["warmup", "time"] + (["reset", "output"] if i == rounds - 1 else [])
+        runs.append(runner.engine(f"{name}-{i}", kv, True, steps, warmup=make_prompt(runner.base["model"], n, 100 + i)))
     merged = {k: [r[k][0] for r in runs] for k in ("samples_ms", "cpu_ms", "cached_tokens")}
     return {**merged, "engine_start_s": runs[0]["engine_start_s"],
-            "output": out["output"], "output_cached_tokens": out["output_cached_tokens"]}
+            "output": runs[-1]["output"], "output_cached_tokens": runs[-1]["output_cached_tokens"]}
 
 
 def lmcache_dir(args: argparse.Namespace) -> Path:
@@ -268,28 +270,33 @@ def run(args: argparse.Namespace) -> dict:
     prompt, warmup = (make_prompt(args.model, args.prompt_tokens, seed) for seed in (0, 1))
     work = Path(tempfile.mkdtemp(prefix="kvstrata-ttft-"))
     runner, n = Runner(args, work, prompt, warmup), args.rounds
-    ours = os.environ.get("KVSTRATA_BENCH_OURS", "strata")
+    stack = contextlib.ExitStack()
 
-    def ours_config(name: str, redis_url: str | None = None) -> dict:
-        if ours == "example":  # stand-in until the connector exists: exercises the harness only
-            return example_transfer_config(work / f"{name}-store")
-        text = f"l1:\n  size: 2GiB\nl2:\n  path: {work / name}-store\n"
-        if redis_url:  # the shared tier only: every measured engine starts with empty L1 and L2
-            text = f"l1:\n  size: 2GiB\nl2:\n  enabled: false\nremote:\n  enabled: true\n  url: {redis_url}\n"
+    def yaml_config(name: str, text: str) -> dict:
         (path := work / f"{name}.yaml").write_text(text)
         return strata_transfer_config(path)
 
-    def run_l3() -> dict:
-        with redis_server(args.redis_url, work / "redis") as url:
-            return run_fresh(runner, "l3", ours_config("l3", url), n)
+    def stored(name: str) -> dict:
+        """The config of ``name`` (l2: the disk tier; l3: the shared tier alone, so every measured
+        engine starts with empty L1 and L2), after a store engine of its own filled that tier. (One
+        store engine for both would not do: a namespace the shared tier governs keeps its
+        generation there, so blocks it wrote are not current for an engine without that tier.)"""
+        text = f"l1:\n  size: 2GiB\nl2:\n  path: {work / name}-store\n"
+        if name == "l3":
+            url = stack.enter_context(redis_server(args.redis_url, work / "redis"))
+            text = f"l1:\n  size: 2GiB\nl2:\n  enabled: false\nremote:\n  enabled: true\n  url: {url}\n"
+        kv = yaml_config(name, text)
+        runner.engine(f"{name}-store", kv, True, ["store"])
+        return kv
 
     repeat = ["time"] * n + ["output"]
     plans = {
         "cold": lambda: runner.engine("cold", None, False, ["warmup"] + repeat),
         "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + repeat),
-        "l1": lambda: runner.engine("l1", ours_config("l1"), True, hit_steps(n)),
-        "l2": lambda: run_fresh(runner, "l2", ours_config("l2"), n),
-        "l3": run_l3,
+        "l1": lambda: runner.engine("l1", yaml_config("l1", f"l1:\n  size: 2GiB\nl2:\n  path: {work / 'l1'}-store\n"),
+                                    True, hit_steps(n)),
+        "l2": lambda: run_fresh(runner, "l2", stored("l2"), n),
+        "l3": lambda: run_fresh(runner, "l3", stored("l3"), n),
         "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer"), True, hit_steps(n)),
         "lmcache": lambda: run_lmcache(runner, hit_steps(n)),
     }
@@ -302,8 +309,9 @@ def run(args: argparse.Namespace) -> dict:
                 errors[name] = str(e)
                 log.error("%s: %s", name, e)
     finally:
+        stack.close()
         finish(work, args.keep, load)
-    return summarize(results, errors, len(prompt), n, ours, engine_env(args), load)
+    return summarize(results, errors, len(prompt), n, engine_env(args), load)
 
 
 def finish(work: Path, keep: bool, load: list[float]) -> None:
@@ -315,7 +323,7 @@ def finish(work: Path, keep: bool, load: list[float]) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours: str, env: dict,
+def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, env: dict,
               load: list) -> dict:
     med = {n: round(statistics.median(r["samples_ms"]), 1) for n, r in results.items()}
     out: dict = {("cold_ms" if n == "cold" else f"{n}_hit_ms"): med.get(n) for n in CONFIGS}
@@ -336,7 +344,7 @@ def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, ours
     native = outputs.get("native")
     out["details"] = {
         "prompt_tokens": prompt_tokens, "block_size": BLOCK_SIZE, "rounds": rounds, "env": env,
-        "ours_connector": "ExampleConnector (KVSTRATA_BENCH_OURS)" if ours == "example" else CONNECTOR,
+        "ours_connector": CONNECTOR,
         **{k: {n: r[k] for n, r in results.items()} for k in keys},
         "min_ms": {n: min(r["samples_ms"]) for n, r in results.items()},
         "first_ms": {n: r["samples_ms"][0] for n, r in results.items()},
