@@ -184,12 +184,13 @@ def hit_steps(rounds: int) -> list[str]:
 
 
 def run_fresh(runner: Runner, name: str, kv: dict, rounds: int) -> dict:
-    """One fresh engine per measurement on a store an earlier engine filled (``store_engine``).
+    """Store once, then one fresh engine per measurement on the same store.
 
     Each measured engine warms up on a prompt of its own that nothing stored (a cold request), so
     its timed request is its first hit: what a user's first request after a restart pays. The
     last one then serves the output: after a reset of vLLM's own prefix cache, the prompt comes
     through kvstrata again, in that engine that loaded it from the tier measured."""
+    runner.engine(f"{name}-store", kv, True, ["store"])
     n, runs = len(runner.base["prompt"]), []
     for i in range(rounds):
         steps = ["warmup", "time"] + (["reset", "output"] if i == rounds - 1 else [])
@@ -270,33 +271,25 @@ def run(args: argparse.Namespace) -> dict:
     prompt, warmup = (make_prompt(args.model, args.prompt_tokens, seed) for seed in (0, 1))
     work = Path(tempfile.mkdtemp(prefix="kvstrata-ttft-"))
     runner, n = Runner(args, work, prompt, warmup), args.rounds
-    stack = contextlib.ExitStack()
 
-    def yaml_config(name: str, text: str) -> dict:
+    def kv_config(name: str, redis_url: str | None = None) -> dict:
+        text = f"l1:\n  size: 2GiB\nl2:\n  path: {work / name}-store\n"
+        if redis_url:  # the shared tier only: every measured engine starts with empty L1 and L2
+            text = f"l1:\n  size: 2GiB\nl2:\n  enabled: false\nremote:\n  enabled: true\n  url: {redis_url}\n"
         (path := work / f"{name}.yaml").write_text(text)
         return strata_transfer_config(path)
 
-    def stored(name: str) -> dict:
-        """The config of ``name`` (l2: the disk tier; l3: the shared tier alone, so every measured
-        engine starts with empty L1 and L2), after a store engine of its own filled that tier. (One
-        store engine for both would not do: a namespace the shared tier governs keeps its
-        generation there, so blocks it wrote are not current for an engine without that tier.)"""
-        text = f"l1:\n  size: 2GiB\nl2:\n  path: {work / name}-store\n"
-        if name == "l3":
-            url = stack.enter_context(redis_server(args.redis_url, work / "redis"))
-            text = f"l1:\n  size: 2GiB\nl2:\n  enabled: false\nremote:\n  enabled: true\n  url: {url}\n"
-        kv = yaml_config(name, text)
-        runner.engine(f"{name}-store", kv, True, ["store"])
-        return kv
+    def run_l3() -> dict:
+        with redis_server(args.redis_url, work / "redis") as url:
+            return run_fresh(runner, "l3", kv_config("l3", url), n)
 
     repeat = ["time"] * n + ["output"]
     plans = {
         "cold": lambda: runner.engine("cold", None, False, ["warmup"] + repeat),
         "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + repeat),
-        "l1": lambda: runner.engine("l1", yaml_config("l1", f"l1:\n  size: 2GiB\nl2:\n  path: {work / 'l1'}-store\n"),
-                                    True, hit_steps(n)),
-        "l2": lambda: run_fresh(runner, "l2", stored("l2"), n),
-        "l3": lambda: run_fresh(runner, "l3", stored("l3"), n),
+        "l1": lambda: runner.engine("l1", kv_config("l1"), True, hit_steps(n)),
+        "l2": lambda: run_fresh(runner, "l2", kv_config("l2"), n),
+        "l3": run_l3,
         "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer"), True, hit_steps(n)),
         "lmcache": lambda: run_lmcache(runner, hit_steps(n)),
     }
@@ -309,7 +302,6 @@ def run(args: argparse.Namespace) -> dict:
                 errors[name] = str(e)
                 log.error("%s: %s", name, e)
     finally:
-        stack.close()
         finish(work, args.keep, load)
     return summarize(results, errors, len(prompt), n, engine_env(args), load)
 
