@@ -279,5 +279,5 @@ def test_stats_shows_the_count_of_the_disk_tier_on_a_terminal(tmp_path: Path, en
     rc, out, term = _on_terminal(["stats", "--config", str(cfg), "--wait", "60"], env)
     assert rc == 0 and "kvstrata tiers" in out
     assert "counting the disk tier" in term and "256/256 shard folders, 20,000 blocks" in term, term[-2000:]
-    rc, out, term = _on_terminal(["stats", "--config", str(cfg), "--json"], env)
+    rc, out, term = _on_terminal(["stats", "--config", str(cfg), "--json", "--wait", "60"], env)
     assert rc == 0 and json.loads(out)["tiers"]["l2"]["blocks"] == 20_000 and "shard folders" not in term
