@@ -58,3 +58,13 @@ uninstall() {
     "$venv/bin/python" -m pip -q uninstall -y "$@" 2> >(_pip_quiet)
   fi
 }
+
+# Byte-compile a venv's packages once, at install (pip does it by default, uv does not). The tests
+# run under PYTHONDONTWRITEBYTECODE=1 (CI sets it), so without .pyc files every process compiles
+# what it imports from source: a vLLM start then takes 23 s of CPU instead of 10, a kvstrata
+# command 5 s instead of 2. compileall skips files whose .pyc is current, so a rerun is quick.
+compile_venv() {
+  local venv=$1 site
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  "$venv/bin/python" -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
+}

@@ -26,6 +26,7 @@ core() {
   install "$VENV" -c <(echo torch==2.13.0) -e '.[dev,redis,bench]'
   "$VENV/bin/python" -c "import kvstrata, torch, xxhash, pydantic, yaml, rich, pytest, hypothesis, matplotlib, tqdm
 print('setup: torch', torch.__version__)"
+  compile_venv "$VENV"
   mark_done core
 }
 
@@ -42,6 +43,7 @@ vllm() {
     uninstall "$VENV" torchvision torchaudio torchcodec
   fi
   "$VENV/bin/python" -c "import vllm, transformers; from transformers import LlamaConfig"
+  compile_venv "$VENV"
   mark_done vllm
 }
 
@@ -54,9 +56,12 @@ services() {
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 }
 
+# The working tree's own .pyc files (kvstrata, tests, examples): the same reason as compile_venv.
+own_bytecode() { "$VENV/bin/python" -m compileall -q -j 0 connector adapters tests examples >/dev/null 2>&1 || true; }
+
 case "${1:-core}" in
-  core) core ;;
-  demo) core; vllm ;;
-  test) core; vllm; services; scripts/setup_sglang.sh ;;
+  core) core; own_bytecode ;;
+  demo) core; vllm; own_bytecode ;;
+  test) core; vllm; services; scripts/setup_sglang.sh; own_bytecode ;;
   *) echo "usage: $0 core|demo|test" >&2; exit 2 ;;
 esac

@@ -49,5 +49,6 @@ import redis  # noqa: F401  (the shared tier: remote.backend redis)
 from importlib.metadata import version
 assert version("sglang") == "0.5.23"
 PY
+compile_venv "$VENV"
 rm -f "$VENV"/.setup-sglang-*
 touch "$VENV/.setup-sglang-$(stamp_of)"

@@ -11,8 +11,9 @@ prefix), so no figure includes first-request overheads.
 - ``native``: vLLM's own prefix-cache hit (store once, then repeat): the floor.
 - ``l1``: kvstrata's connector, store once, then ``reset_prefix_cache()`` before each request.
 - ``l2``: kvstrata's connector in a fresh engine process per measurement, on the disk folder that
-  one earlier process filled: its first request on the prompt is the measured one (L1 empty), and
-  its first hit (its warm-up prompt is one of its own, which nothing stored).
+  one earlier process filled (``l1``'s engine when it ran, else one of its own): its first request
+  on the prompt is the measured one (L1 empty), and its first hit (its warm-up prompt is one of its
+  own, which nothing stored).
 - ``l3``: kvstrata's connector with the CPU tier and the shared Redis tier (no disk tier), in a fresh
   engine process per measurement, like ``l2``: L1 and L2 empty, the prompt loaded from Redis, which
   one earlier process filled (``--redis-url``, flushed first, else a private ``redis-server``).
@@ -183,14 +184,16 @@ def hit_steps(rounds: int) -> list[str]:
     return ["warmup", "store"] + ["reset", "time"] * rounds + ["reset", "output"]
 
 
-def run_fresh(runner: Runner, name: str, kv: dict, rounds: int) -> dict:
-    """Store once, then one fresh engine per measurement on the same store.
+def run_fresh(runner: Runner, name: str, kv: dict, rounds: int, stored: bool = False) -> dict:
+    """Store once (unless ``stored``: an earlier engine on the same config did), then one fresh
+    engine per measurement on the same store.
 
     Each measured engine warms up on a prompt of its own that nothing stored (a cold request), so
     its timed request is its first hit: what a user's first request after a restart pays. The
     last one then serves the output: after a reset of vLLM's own prefix cache, the prompt comes
     through kvstrata again, in that engine that loaded it from the tier measured."""
-    runner.engine(f"{name}-store", kv, True, ["store"])
+    if not stored:
+        runner.engine(f"{name}-store", kv, True, ["store"])
     n, runs = len(runner.base["prompt"]), []
     for i in range(rounds):
         steps = ["warmup", "time"] + (["reset", "output"] if i == rounds - 1 else [])
@@ -284,11 +287,13 @@ def run(args: argparse.Namespace) -> dict:
             return run_fresh(runner, "l3", kv_config("l3", url), n)
 
     repeat = ["time"] * n + ["output"]
+    l1_fills_l2 = "l1" in wanted and "l2" in wanted[wanted.index("l1"):]
     plans = {
         "cold": lambda: runner.engine("cold", None, False, ["warmup"] + repeat),
         "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + repeat),
-        "l1": lambda: runner.engine("l1", kv_config("l1"), True, hit_steps(n)),
-        "l2": lambda: run_fresh(runner, "l2", kv_config("l2"), n),
+        # l1 on l2's disk folder when both run: its "store" step fills it, one engine start fewer
+        "l1": lambda: runner.engine("l1", kv_config("l2" if l1_fills_l2 else "l1"), True, hit_steps(n)),
+        "l2": lambda: run_fresh(runner, "l2", kv_config("l2"), n, stored="l1" in results),
         "l3": run_l3,
         "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer"), True, hit_steps(n)),
         "lmcache": lambda: run_lmcache(runner, hit_steps(n)),
