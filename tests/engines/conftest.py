@@ -468,28 +468,46 @@ def sglang_server(model: str, tmp_path: Path) -> Iterator[Callable[..., SGLangSe
 
 class SGLangServers:
     """At most one running SGLang server (2 cores): ``get(config)`` gives the running one when it
-    has that config and layout, else stops it and starts one; ``fresh=True`` always starts one."""
+    has that config, layout and metrics flag, else stops it and starts one; ``fresh=True`` always
+    starts one. ``sglang_servers`` is the session's (tests of several modules share a server)."""
 
     def __init__(self, model: str, log_dir: Path) -> None:
         self.model, self.log_dir = model, log_dir
         self.current: SGLangServer | None = None
-        self._key: tuple[Path, str] | None = None
+        self._key: tuple[Path, str, bool] | None = None
 
-    def get(self, config: Path, *, layout: str = "layer_first", fresh: bool = False) -> SGLangServer:
-        running = self.current
-        if running is not None and self._key == (config, layout) and not fresh and running.proc.poll() is None:
+    def get(self, config: Path, *, layout: str = "layer_first", fresh: bool = False,
+            metrics: bool = False) -> SGLangServer:
+        running, key = self.current, (config, layout, metrics)
+        if running is not None and self._key == key and not fresh and running.proc.poll() is None:
             return running
         self.stop()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         server = new_sglang_server(self.model, config, self.log_dir / f"sglang-{os.urandom(3).hex()}.log",
-                                   layout=layout)
-        self.current, self._key = server, (config, layout)
+                                   layout=layout, metrics=metrics)
+        self.current, self._key = server, key
         return server.__enter__()
 
     def stop(self) -> None:
         if self.current is not None:
             self.current.stop()
             self.current, self._key = None, None
+
+
+@pytest.fixture(scope="session")
+def sglang_servers(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServers]:
+    manager = SGLangServers(model, tmp_path_factory.mktemp("sglang"))
+    yield manager
+    manager.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_direct_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kvstrata's L1 (4 MiB) smaller than SGLang's host pool: pages go straight between the pool
+    and their files. Shared by test_sglang.py's last server test and the disk-tier metrics test
+    of test_sglang_observability.py (its first), on one server with metrics on."""
+    tmp = tmp_path_factory.mktemp("sglang-direct")
+    return sglang_config(tmp / "direct.json", tmp / "l2", l1={"size": "4MiB"})
 
 
 def sglang_generate(server: SGLangServer, prompt: list[int], **extra: Any) -> dict:

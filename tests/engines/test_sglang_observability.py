@@ -5,6 +5,7 @@ the model whose pages the server stored.
 One server runs the scenario once (``served``): a scrape at start, a cold request (its pages are
 backed up to kvstrata, through L1 and on to the disk tier), ``/flush_cache`` (SGLang's device and
 host caches only), the same prompt again (a kvstrata L1 hit: SGLang prefetches it from storage).
+The disk-tier test runs it first, on the direct-I/O server test_sglang.py's last test left running.
 SGLang feeds its metrics from the scheduler loop, so every scrape waits until the figure it
 checks has been exported. The names, types and buckets are the vLLM adapter's
 (``kvstrata.metrics.METRICS``); the Grafana dashboard's kvstrata series are checked against this scrape too.
@@ -19,11 +20,11 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
-from engines.conftest import PAGE, ids, needs_sglang, new_sglang_server, sglang_config, sglang_python
+from engines.conftest import PAGE, SGLangServers, ids, needs_sglang, sglang_config, sglang_python
 from engines.test_sglang import block_files
 from kvstrata.metrics import METRICS
 from kvstrata.tools.sglang_server import SGLangServer, SHIMS
@@ -64,33 +65,69 @@ def scrape_until(server: SGLangServer, ready: Callable[[str], bool], timeout: fl
     return text
 
 
-def run_scenario(model: str, tmp: Path, tier: str, **extra: Any) -> dict[str, Any]:
-    """Start a server with metrics on, scrape, cold request, flush, hit (from ``tier``), scrape."""
-    cfg = sglang_config(tmp / "sglang.json", tmp / "l2", **extra)
+def run_scenario(server: SGLangServer, cfg: Path, tmp: Path, model: str, tier: str) -> dict[str, Any]:
+    """On a server with metrics on: scrape, cold request, flush, hit (from ``tier``), scrape."""
     out: dict[str, Any] = {"tmp": tmp, "cfg": cfg, "model": model}
-    with new_sglang_server(model, cfg, tmp / "server.log", metrics=True) as server:
-        out["m0"] = scrape_until(server, lambda t: "kvstrata_saved_blocks_total" in t)
-        out["cold"] = server.generate(IDS, 8)
-        deadline = time.monotonic() + 60
-        while len(block_files(cfg)) < FULL and time.monotonic() < deadline:  # backups are asynchronous
-            time.sleep(0.2)
-        out["m1"] = scrape_until(server, lambda t: series(t, "kvstrata_bytes_written_total", tier="l2") > 0)
-        server.flush()
-        out["hit"] = server.generate(IDS, 8)
-        out["m2"] = scrape_until(server, lambda t: series(t, "kvstrata_load_seconds_count", tier=tier) > 0)
-    out["log"] = (tmp / "server.log").read_text(errors="replace")
+    out["m0"] = scrape_until(server, lambda t: "kvstrata_saved_blocks_total" in t)
+    files = len(block_files(cfg))
+    out["cold"] = server.generate(IDS, 8)
+    deadline = time.monotonic() + 60
+    while len(block_files(cfg)) < files + FULL and time.monotonic() < deadline:  # backups are asynchronous
+        time.sleep(0.2)
+    saved, loads = (series(out["m0"], name, **labels) for name, labels in (
+        ("kvstrata_saved_blocks_total", {}), ("kvstrata_load_seconds_count", {"tier": tier})))
+    out["m1"] = scrape_until(server, lambda t: series(t, "kvstrata_saved_blocks_total") >= saved + FULL)
+    server.flush()
+    out["hit"] = server.generate(IDS, 8)
+    out["m2"] = scrape_until(server, lambda t: series(t, "kvstrata_load_seconds_count", tier=tier) > loads)
+    out["log"] = server.log_path.read_text(errors="replace")
     out["direct"] = "direct disk I/O" in out["log"]
     out["files"] = len(block_files(cfg))
-    for name in ("m0", "m1", "m2"):  # kept beside the server log, for a look after a failure
+    for name in ("m0", "m1", "m2"):  # kept for a look after a failure
         (tmp / f"{name}.metrics").write_text(out[name])
     return out
 
 
 @pytest.fixture(scope="module")
-def served(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def servers(sglang_servers: SGLangServers) -> Iterator[SGLangServers]:
+    yield sglang_servers
+    sglang_servers.stop()
+
+
+@pytest.fixture(scope="module")
+def served(model: str, servers: SGLangServers, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The shipped set-up: kvstrata's L1 (256 MiB) is larger than SGLang's host pool, so pages go
-    through L1 and the hit is served from it."""
-    return run_scenario(model, tmp_path_factory.mktemp("sglang-observability"), "l1")
+    through L1 and the hit is served from it. A server of its own: its first scrape is taken
+    before any request."""
+    tmp = tmp_path_factory.mktemp("sglang-observability")
+    cfg = sglang_config(tmp / "sglang.json", tmp / "l2")
+    return run_scenario(servers.get(cfg, metrics=True, fresh=True), cfg, tmp, model, "l1")
+
+
+@needs_sglang
+def test_a_hit_from_the_disk_tier_grows_the_l2_series(model, servers, sglang_direct_config, tmp_path):
+    """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight between
+    the pool and their files, and the hit is read from disk. First of the module: on the server
+    test_sglang.py's last test left running (the same config, metrics on), else a new one."""
+    server = servers.get(sglang_direct_config, metrics=True)
+    out = run_scenario(server, sglang_direct_config, tmp_path, model, "l2")
+    m1, m2, hit = out["m1"], out["m2"], out["hit"]
+    assert out["direct"]
+    loaded = hit.cached["storage"] // PAGE
+    assert loaded >= FULL - 2 and hit.tokens == out["cold"].tokens
+
+    def grew(name: str, **labels: str) -> float:
+        return series(m2, name, **labels) - series(m1, name, **labels)
+
+    assert grew("kvstrata_hit_blocks_total", tier="l2") == loaded
+    assert grew("kvstrata_hit_tokens_total", tier="l2") == hit.cached["storage"]
+    assert grew("kvstrata_hit_blocks_total", tier="l1") == 0 and grew("kvstrata_hit_tokens_total", tier="l1") == 0
+    assert grew("kvstrata_bytes_read_total", tier="l2") >= loaded * series(m1, "kvstrata_resident_bytes", tier="l2") \
+        / out["files"] * 0.99  # the pages' payloads (files add a header)
+    assert series(m2, "kvstrata_load_seconds_count", tier="l2") >= 1
+    assert series(m2, "kvstrata_load_seconds_count", tier="l1") == 0
+    assert series(m1, "kvstrata_resident_blocks", tier="l2") == out["files"]
+    assert series(m1, "kvstrata_resident_blocks", tier="l1") == 0
 
 
 @needs_sglang
@@ -130,30 +167,6 @@ def test_a_hit_grows_the_hit_series_of_its_tier_by_the_pages_loaded(served):
     assert grew("kvstrata_bytes_read_total", tier="l1") > 0
     # SGLang's own storage series, fed by the same get_stats call, still work.
     assert grew("sglang:prefetch_pgs_sum") >= loaded
-
-
-@needs_sglang
-def test_a_hit_from_the_disk_tier_grows_the_l2_series(model, tmp_path):
-    """Scenario: kvstrata's L1 (4 MiB) is smaller than the host pool, so pages go straight between
-    the pool and their files, and the hit is read from disk."""
-    out = run_scenario(model, tmp_path, "l2", l1={"size": "4MiB"})
-    m1, m2, hit = out["m1"], out["m2"], out["hit"]
-    assert out["direct"]
-    loaded = hit.cached["storage"] // PAGE
-    assert loaded >= FULL - 2 and hit.tokens == out["cold"].tokens
-
-    def grew(name: str, **labels: str) -> float:
-        return series(m2, name, **labels) - series(m1, name, **labels)
-
-    assert grew("kvstrata_hit_blocks_total", tier="l2") == loaded
-    assert grew("kvstrata_hit_tokens_total", tier="l2") == hit.cached["storage"]
-    assert grew("kvstrata_hit_blocks_total", tier="l1") == 0 and grew("kvstrata_hit_tokens_total", tier="l1") == 0
-    assert grew("kvstrata_bytes_read_total", tier="l2") >= loaded * series(m1, "kvstrata_resident_bytes", tier="l2") \
-        / out["files"] * 0.99  # the pages' payloads (files add a header)
-    assert series(m2, "kvstrata_load_seconds_count", tier="l2") >= 1
-    assert series(m2, "kvstrata_load_seconds_count", tier="l1") == 0
-    assert series(m1, "kvstrata_resident_blocks", tier="l2") == out["files"]
-    assert series(m1, "kvstrata_resident_blocks", tier="l1") == 0
 
 
 @needs_sglang

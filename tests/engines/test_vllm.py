@@ -123,14 +123,12 @@ def test_corrupted_block_on_disk_is_recomputed_and_counted(disk_pair, baseline):
 
 
 def test_bad_connector_config_fails_at_start_with_kvstrata_message(vllm_engine, tmp_path):
+    """One engine start: a config that cannot be read takes the same path out of the connector
+    (``load_config``'s ConfigError), whose message tests/test_config.py checks."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("l1:\n  size: 1GiB\n  colour: blue\n")
-    missing = tmp_path / "missing.yaml"
-    engines = [vllm_engine(bad, name="bad"), vllm_engine(missing, name="missing")]  # started together
-    text = engines[0].wait_failed()
+    text = vllm_engine(bad, name="bad").wait_failed()
     assert "invalid kvstrata config" in text and str(bad) in text and "l1.colour" in text
-    text = engines[1].wait_failed()
-    assert "cannot read kvstrata config" in text and str(missing) in text
 
 
 def test_connector_name_alone_works_through_the_plugin_entry_point(disk_pair, baseline):
