@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -161,12 +162,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 TOOL_PROCESSES = ("cli.py", "ttft_worker.py", "kvstrata")  # a kvstrata command's own engine processes
 
 
+BASELINES_ENV = "KVSTRATA_TEST_BASELINES"  # the engine tests' no-connector outputs (tests/engines/conftest.py)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if STARTS_ENV not in os.environ:  # else a child pytest: it counts into its parent's file
         fd, path = tempfile.mkstemp(prefix="kvstrata-engine-starts-")
         os.close(fd)
         os.environ[STARTS_ENV] = path
         config._kvstrata_starts = path  # type: ignore[attr-defined]
+    if BASELINES_ENV not in os.environ:  # one folder for the session's workers (they inherit it)
+        os.environ[BASELINES_ENV] = config._kvstrata_baselines = tempfile.mkdtemp(  # type: ignore[attr-defined]
+            prefix="kvstrata-baselines-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "_kvstrata_baselines", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

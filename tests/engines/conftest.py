@@ -287,13 +287,35 @@ def vllm_engine(model: str, tmp_path: Path) -> Iterator[Callable[..., StepEngine
         engine.close()
 
 
-class Baselines:
-    """Greedy outputs of vLLM alone (no connector), one engine per (model, dtype), cached."""
+BASELINES_ENV = "KVSTRATA_TEST_BASELINES"  # a folder the session's workers share (tests/conftest.py)
 
-    def __init__(self, log_dir: Path, model: str) -> None:
-        self.log_dir, self.model = log_dir, model
+
+class Baselines:
+    """Greedy outputs of vLLM alone (no connector), one engine per (model, dtype), cached: in
+    memory, and as files in the folder ``$KVSTRATA_TEST_BASELINES`` names, which every test worker
+    of the session reads, so an output one worker computed starts no engine on the other."""
+
+    def __init__(self, log_dir: Path, model: str, shared: Path | None = None) -> None:
+        self.log_dir, self.model, self.shared = log_dir, model, shared
         self._engines: dict[tuple[str, str], StepEngine] = {}
         self._cache: dict[tuple, list[int]] = {}
+
+    def _file(self, key: tuple) -> Path | None:
+        if self.shared is None:
+            return None
+        return self.shared / (hashlib.sha1(json.dumps(key).encode()).hexdigest() + ".json")
+
+    def _known(self, key: tuple) -> bool:
+        if key not in self._cache and (path := self._file(key)) is not None and path.exists():
+            self._cache[key] = json.loads(path.read_text())
+        return key in self._cache
+
+    def _keep(self, key: tuple, tokens: list[int]) -> None:
+        self._cache[key] = tokens
+        if (path := self._file(key)) is not None:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(tokens))
+            tmp.rename(path)  # whole or absent for the other worker
 
     def __call__(self, prompt: list[int], max_tokens: int = 8, *, model: str | None = None,
                  dtype: str = "auto") -> list[int]:
@@ -303,7 +325,7 @@ class Baselines:
              dtype: str = "auto") -> list[list[int]]:
         model = model or self.model
         keys = [(model, dtype, max_tokens, tuple(p)) for p in prompts]
-        todo = [p for p, k in zip(prompts, keys) if k not in self._cache]
+        todo = [p for p, k in zip(prompts, keys) if not self._known(k)]
         if todo:
             engine = self._engines.get((model, dtype))
             if engine is None:
@@ -311,7 +333,7 @@ class Baselines:
                                                                    dtype=dtype)
             out = engine.run([gen(p, max_tokens=max_tokens) for p in todo])
             for p, r in zip(todo, out):
-                self._cache[(model, dtype, max_tokens, tuple(p))] = r["tokens"]
+                self._keep((model, dtype, max_tokens, tuple(p)), r["tokens"])
             if model != self.model:  # another model (a test's own copy): not needed again
                 self._engines.pop((model, dtype)).close()
         return [self._cache[k] for k in keys]
@@ -325,7 +347,8 @@ class Baselines:
 @pytest.fixture(scope="session")
 def baseline(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Baselines]:
     """``baseline(prompt)``: vLLM's greedy output without kvstrata (8 tokens unless said)."""
-    b = Baselines(tmp_path_factory.mktemp("baseline"), model)
+    shared = os.environ.get(BASELINES_ENV)
+    b = Baselines(tmp_path_factory.mktemp("baseline"), model, Path(shared) if shared else None)
     yield b
     b.close()
 
