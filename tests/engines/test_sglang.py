@@ -161,30 +161,29 @@ def test_continuation_of_a_prefix_sglang_still_holds_is_served_from_storage(serv
     assert again["tokens"] == first["tokens"]
 
 
+def _served_from_storage_after_flush(servers, config: Path, seed: int, **server: Any) -> str:
+    """A prompt stored, SGLang's caches flushed, the prompt again: served from storage with the
+    same output. Returns the server's log."""
+    running = servers.get(config, **server)
+    ids = _ids(seed)
+    first, _ = stored(running, config, ids, block_files(config))
+    running.flush()
+    second = sglang_generate(running, ids)
+    assert storage_share(second, ids) >= 0.9
+    assert second["tokens"] == first["tokens"]
+    return sglang_log(running)
+
+
 @needs_sglang
 def test_legacy_interface_request_after_flush_is_served_from_storage(servers, tmp_path):
     config = sglang_config(tmp_path / "legacy.json", tmp_path / "l2", v1=False)
-    server = servers.get(config)
-    ids = _ids(6)
-    first, _ = stored(server, config, ids, block_files(config))
-    server.flush()
-    second = sglang_generate(server, ids)
-    assert storage_share(second, ids) >= 0.9
-    assert second["tokens"] == first["tokens"]
-    assert "legacy flat-page interface" in sglang_log(server)
+    assert "legacy flat-page interface" in _served_from_storage_after_flush(servers, config, 6)
 
 
 @needs_sglang
 def test_zero_copy_with_page_first_host_layout_is_served_from_storage(servers, tmp_path):
     config = sglang_config(tmp_path / "page_first.json", tmp_path / "l2")
-    server = servers.get(config, layout="page_first")
-    ids = _ids(7)
-    first, _ = stored(server, config, ids, block_files(config))
-    server.flush()
-    second = sglang_generate(server, ids)
-    assert storage_share(second, ids) >= 0.9
-    assert second["tokens"] == first["tokens"]
-    assert "page_first" in sglang_log(server)
+    assert "page_first" in _served_from_storage_after_flush(servers, config, 7, layout="page_first")
 
 
 @needs_sglang
