@@ -8,7 +8,8 @@
 
 Each engine first serves an unrelated prompt of the same length (warm-up, not shown), so that a
 phase times the tier it names, not a new engine's first request (its compiled kernels, allocator
-and thread pool). Prints TTFT per phase, where the prompt tokens came from (vLLM's own
+and thread pool), and each phase waits a second first, so that the saves of the request before it
+(written on background threads) are not timed with it. Prints TTFT per phase, where the prompt tokens came from (vLLM's own
 ``vllm:prompt_tokens_cached_by_source`` metric) and whether the greedy outputs are identical.
 A fresh ``cache_salt`` per run makes phase 1 cold even when an earlier demo filled the disk tier.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import random
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +26,9 @@ from kvstrata.config import load_config
 
 from .serving import (Completion, Server, cached_by_source, complete, free_port, strata_transfer_config,
                       vllm_command)
+
+
+SETTLE_S = 1.0  # pause before each phase, as bench ttft's settle_s: saves run on background threads
 
 
 def _prompt(n: int, seed: int = 7) -> list[int]:
@@ -56,6 +61,7 @@ def run(model: str, config_file: str | None, prompt_tokens: int) -> int:
         console.print(f"  warmed the engine with an unrelated {prompt_tokens}-token prompt ({done.ttft_ms:.0f} ms)")
 
     def ask(server: Server) -> tuple[Completion, dict[str, int]]:
+        time.sleep(SETTLE_S)  # the previous request's saves land first: a phase times its tier alone
         before = cached_by_source(server.metrics())
         done = complete(server, model, prompt, max_tokens=16, cache_salt=salt)
         after = cached_by_source(server.metrics())
