@@ -38,7 +38,7 @@ def test_epoch_state_loss_never_makes_invalidated_blocks_valid_again(tmp_path, n
     shutil.rmtree(tmp_path / "l2" / "epochs")
 
     with BlockStore(make_config(tmp_path)) as fresh:
-        assert len(list(fresh.l2.scan())) == 3  # the old blocks are still on disk
+        assert len(list(fresh.l2.scan_files())) == 3  # the old blocks are still on disk
         assert fresh.lookup(ns, tokens).num_blocks == 0
 
 

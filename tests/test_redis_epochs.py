@@ -109,7 +109,7 @@ def test_flushdb_never_revives_an_invalidated_epoch_from_local_disk(tmp_path, se
     invalidated_elsewhere(tmp_path, url)
     redis.Redis.from_url(url).flushdb()
     with open_store(tmp_path, "writer", url) as again:
-        assert len(list(again.l2.scan())) == 4  # still on disk
+        assert len(list(again.l2.scan_files())) == 4  # still on disk
         assert again.lookup(NS, tokens()).num_blocks == 0
 
 

@@ -12,7 +12,7 @@ them. The index decides *what* is valid; a tier only answers *whether it still h
 - ``probe(key)``: the committed metadata of a block another process may have stored, read from
   the tier's own header, never from the payload. None if absent or unreadable.
 - ``tail_lengths(parent)``: token counts of partial blocks stored after ``parent``.
-- ``delete(key)``; ``scan()`` yields every committed block's metadata.
+- ``delete(key)``.
 - ``probe_many`` / ``read_many`` / ``write_many``: the same for a run of blocks; a tier behind a
   network overrides them to cost O(1) round trips per call instead of one per block.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Iterator
 
 import torch
 
@@ -84,9 +83,6 @@ class BlockTier(ABC):
 
     @abstractmethod
     def delete(self, key: bytes) -> None: ...
-
-    @abstractmethod
-    def scan(self) -> Iterator[EntryMeta]: ...
 
     @property
     @abstractmethod

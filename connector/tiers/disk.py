@@ -46,7 +46,6 @@ import logging
 import os
 import stat
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -59,7 +58,7 @@ from .base import BlockTier, pid_alive
 from .folder import (FULL_ERRNOS, OPEN_DIR, FullDisk, block_name, make_folder, marker_name, marker_ntok, open_regular, prepare_shards,
                      temp_name, warn_if_open, write_all)
 from .ledger import Ledger, usage_bound, write_summary
-from .scan import BLOCK, DAMAGED, OTHER_VERSION, SKIPPED, TEMP, Found, scan_folder
+from .scan import BLOCK, DAMAGED, OTHER_VERSION, SKIPPED, TEMP, Tally, scan_folder
 
 log = logging.getLogger(__name__)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv/pwritev
@@ -317,10 +316,6 @@ class DiskTier(BlockTier):
         finally:
             os.close(fd)
 
-    def scan(self) -> Iterator[EntryMeta]:
-        for meta, _path, _mtime in self.scan_files():
-            yield meta
-
     @staticmethod
     def temp_is_stale(pid: int, mtime: float) -> bool:
         """Whether a temp file of writer ``pid`` is a leftover: its writer is gone (a local folder:
@@ -331,20 +326,15 @@ class DiskTier(BlockTier):
         """Every committed block with its path and mtime (``scan_folder`` with ``fix``: removes
         leftover temp files and damaged blocks of this format; everything else is left alone,
         counted and logged once). Also recomputes used bytes."""
-        used = 0
-        counts: Counter[str] = Counter()
-        first: dict[str, Found] = {}
+        used, tally = 0, Tally()
         for found in scan_folder(self.root, fix=True, stale_temp=self.temp_is_stale):
-            counts[found.kind] += 1
-            counts["removed_" + found.kind] += found.removed
+            tally.add(found)
             if found.kind == BLOCK:
                 assert found.meta is not None
                 used += found.size
                 yield found.meta, found.path, found.mtime
-            else:
-                first.setdefault(found.kind, found)
         self.ledger.reset(used)
-        self.report_scan(counts, first)
+        self.report_scan(tally)
 
     # ------------------------------------------------------- background recovery
     def begin_recovery(self) -> None:
@@ -359,8 +349,9 @@ class DiskTier(BlockTier):
         if self._summarize:
             write_summary(self.root, max(self.ledger.used(), 0))
 
-    def report_scan(self, counts: Counter[str], first: dict[str, Found]) -> None:
+    def report_scan(self, tally: Tally) -> None:
         """Count what a scan found besides blocks, and log each kind once."""
+        counts, first = tally.counts, tally.first
         for counter, n in (("bad_headers", counts[DAMAGED]), ("temp_removed", counts["removed_" + TEMP]),
                            ("skipped_entries", counts[SKIPPED]), ("other_versions", counts[OTHER_VERSION])):
             if n:

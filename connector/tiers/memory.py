@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -172,11 +172,6 @@ class MemoryTier(BlockTier):
             held = self._slots.pop(key, None)
             if held is not None:
                 self._free.append(held[0])
-
-    def scan(self) -> Iterator[EntryMeta]:
-        with self._lock:
-            metas = [meta for _, meta in self._slots.values()]
-        yield from metas
 
     def close(self) -> None:
         if self.shared_path:

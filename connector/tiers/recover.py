@@ -8,12 +8,11 @@ The store's ``Recovery`` thread (``store/recovery.py``) drives it and commits wh
 from __future__ import annotations
 
 import os
-from collections import Counter
 from typing import Callable, Iterator
 
 from .disk import DiskTier
 from .folder import parse_block_entry
-from .scan import BLOCK, DAMAGED, OTHER_VERSION, SKIPPED, Found, scan_shards
+from .scan import BLOCK, DAMAGED, OTHER_VERSION, SKIPPED, Found, Tally, scan_shards
 
 
 def recover_shards(tier: DiskTier, pace: Callable[[], None]) -> Iterator[tuple[int, list[Found]]]:
@@ -23,8 +22,7 @@ def recover_shards(tier: DiskTier, pace: Callable[[], None]) -> Iterator[tuple[i
     ``ledger.shard_locks[shard]``, leaving out ``ledger.gone`` (blocks this process deleted since
     the listing), then calls ``ledger.shard_done``. After the last shard the ledger is exact, and
     what was found besides blocks is counted and logged (``DiskTier.report_scan``)."""
-    counts: Counter[str] = Counter()
-    first: dict[str, Found] = {}
+    tally = Tally()
     current = [-1]
 
     def lister(shard: str, dir_fd: int) -> list[os.DirEntry]:
@@ -35,18 +33,16 @@ def recover_shards(tier: DiskTier, pace: Callable[[], None]) -> Iterator[tuple[i
         blocks, odd = [], 0
         for f in found:
             pace()
-            counts[f.kind] += 1
-            counts["removed_" + f.kind] += f.removed
+            tally.add(f)
             if f.kind == BLOCK:
                 blocks.append(f)
-            else:
-                first.setdefault(f.kind, f)
-                odd += f.size if f.kind in (DAMAGED, OTHER_VERSION, SKIPPED) else 0
+            elif f.kind in (DAMAGED, OTHER_VERSION, SKIPPED):
+                odd += f.size
         tier.ledger.not_blocks(odd)
         yield current[0], blocks
         current[0] = -1
     tier.ledger.counted_all()
-    tier.report_scan(counts, first)
+    tier.report_scan(tally)
 
 
 def _list_counted(tier: DiskTier, shard: str, dir_fd: int, pace: Callable[[], None]) -> list[os.DirEntry]:

@@ -44,7 +44,7 @@ takes client and network errors only; a bug raises.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -261,22 +261,6 @@ class RedisTier(BlockTier):
     def delete(self, key: bytes) -> None:
         names = [self._k(key, "i"), self._k(key, "p")]  # one hash tag: one slot, even in a Cluster
         self.breaker.call(lambda: self.client.delete(*names), None)
-
-    def scan(self) -> Iterator[EntryMeta]:
-        names = self.breaker.call(lambda: list(self.client.scan_iter(match=f"{self._p}:*:i", count=1000)), [])
-        for start in range(0, len(names), 512):
-            batch = names[start : start + 512]
-            for name, value in zip(batch, self.breaker.call(lambda: self._mget(batch), [])):
-                if value is None:
-                    continue
-                if not isinstance(value, bytes) or len(value) != HEADER_SIZE:
-                    self.reject("remote_bad_headers", "%s is not a %d-byte index entry: %s",
-                                shown(name), HEADER_SIZE, shown(value))
-                    continue
-                try:
-                    yield unpack_header(value, f"redis entry {shown(name)}")
-                except FormatError as e:
-                    self.reject("remote_bad_headers", "%s", e)
 
     @property
     def used_bytes(self) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections import Counter
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple
@@ -54,6 +55,22 @@ class Found(NamedTuple):
     mtime: float = 0.0
     why: str = ""
     removed: bool = False
+
+
+class Tally:
+    """What a scan found, by kind: ``counts[kind]`` and ``counts["removed_" + kind]``, and the
+    first entry of each kind but ``block`` (``first``), for one log line per kind. The disk tier's
+    two scans (``DiskTier.scan_files``, the background ``recover_shards``) count through it."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.first: dict[str, Found] = {}
+
+    def add(self, found: Found) -> None:
+        self.counts[found.kind] += 1
+        self.counts["removed_" + found.kind] += found.removed
+        if found.kind != BLOCK:
+            self.first.setdefault(found.kind, found)
 
 
 def _skipped(folder: str, entry: os.DirEntry, named_like_ours: bool) -> Found:
