@@ -27,25 +27,23 @@ from typing import Iterator
 
 from .progress import ShardBar, shard_bar
 from .tiers.disk import DiskTier
-from .tiers.scan import (BLOCK, DAMAGED, ORPHAN, OTHER_VERSION, SKIPPED, TEMP, Found, examine_block, scan_shards,
-                         scan_tails, stream_entries)
+from .tiers.scan import (BLOCK, DAMAGED, ORPHAN, OTHER_VERSION, SKIPPED, TEMP, Found, Tally, examine_block,
+                         scan_shards, scan_tails, stream_entries)
 
 LISTED = 100  # bad blocks and skipped entries listed in the report (all are counted)
 _DRAW_EVERY = 256  # blocks between progress updates
 
 
-class _Tally:
-    """Counts of each kind of entry, and the first ``LISTED`` problems and skipped entries."""
+class _Tally(Tally):
+    """The scan's counts of each kind of entry, and the first ``LISTED`` problems and skipped entries."""
 
     def __init__(self) -> None:
-        self.counts = {kind: 0 for kind in (BLOCK, DAMAGED, OTHER_VERSION, TEMP, SKIPPED, ORPHAN)}
+        super().__init__()
         self.problems: list[str] = []
         self.skipped: list[str] = []
 
     def add(self, f: Found) -> None:
-        if f.kind not in self.counts:
-            return  # a write in progress, a live marker
-        self.counts[f.kind] += 1
+        super().add(f)
         listed = self.problems if f.kind == DAMAGED else self.skipped if f.kind == SKIPPED else None
         if listed is not None and len(listed) < LISTED:
             listed.append(f"{f.path}: {f.why}")
