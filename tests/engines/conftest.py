@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
+from conftest import BASELINES_ENV  # a folder the session's workers share (tests/conftest.py)
 from kvstrata.tools import serving
 from kvstrata.tools.sglang_server import SGLangServer, cpu_env, cpu_flags, find_python
 
@@ -285,9 +286,6 @@ def vllm_engine(model: str, tmp_path: Path) -> Iterator[Callable[..., StepEngine
     yield factory
     for engine in started:
         engine.close()
-
-
-BASELINES_ENV = "KVSTRATA_TEST_BASELINES"  # a folder the session's workers share (tests/conftest.py)
 
 
 class Baselines:
