@@ -116,8 +116,8 @@ def verify_block(meta: EntryMeta, header: bytes | bytearray, payload_size: int,
             return Mismatch("bad_header", str(e), e.corrupt)
         if (stored.key, stored.parent, stored.ns_seed, stored.epoch, stored.fp, stored.ntok, stored.tail) != (
                 meta.key, meta.parent, meta.ns_seed, meta.epoch, meta.fp, meta.ntok, meta.tail):
-            return Mismatch("wrong_key", f"it holds another block or generation: block {stored.key.hex()}, "
-                                         f"parent {stored.parent.hex()}, generation {stored.epoch}")
+            return Mismatch("wrong_key", f"it holds another block or epoch: block {stored.key.hex()}, "
+                                         f"parent {stored.parent.hex()}, epoch {stored.epoch}")
         if stored.size != meta.size:
             return Mismatch("wrong_size", f"its header says {stored.size} bytes, the index entry {meta.size}")
         meta = stored

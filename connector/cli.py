@@ -74,7 +74,7 @@ def _await_count(store: BlockStore, timeout: float | None, bar: ShardBar) -> boo
             bar.update(recovery.shards, recovery.blocks)
         if done or (deadline is not None and time.monotonic() >= deadline):
             return done
-        if recovery.shards >= SHARD_FOLDERS and not trimming:  # counted: older generations go, then trim to l2.size
+        if recovery.shards >= SHARD_FOLDERS and not trimming:  # counted: older epochs go, then trim to l2.size
             bar.stage("trimming the disk tier", shards=False)
             trimming = True
 
@@ -129,13 +129,13 @@ def invalidate(args: argparse.Namespace) -> int:
             print("no namespaces stored: nothing to invalidate")
         failed = []
         for ns_id, (seed, ns) in wanted.items():
-            generation = store.invalidate(seed)
-            if generation is None:
+            epoch = store.invalidate(seed)
+            if epoch is None:
                 failed.append(ns_id)
-                print(f"{ns_id}: NOT invalidated: the new generation could not be written where the engines read "
+                print(f"{ns_id}: NOT invalidated: the new epoch could not be written where the engines read "
                       "it (the shared tier, or the epochs folder; the log line above says why)", file=sys.stderr)
             else:
-                print(f"{ns_id}: new generation {generation:016x}")
+                print(f"{ns_id}: new epoch {epoch:016x}")
             if ns is not None:
                 print(f"    model {ns.model}, weights {ns.model_version}, dtype {ns.kv_dtype}, "
                       f"tenant {ns.tenant or '-'}")
@@ -175,7 +175,7 @@ def _chosen(store: BlockStore, args: argparse.Namespace) -> dict[str, tuple[byte
 def gc(args: argparse.Namespace) -> int:
     with BlockStore(load_config(args.config)) as store, shard_bar(True) as bar:
         _await_count(store, None, bar)  # gc acts on every block: all of L2 in the index first
-        bar.stage("gc: dropping older generations, trimming every tier to its size", shards=False)
+        bar.stage("gc: dropping older epochs, trimming every tier to its size", shards=False)
         removed = store.gc()
     print(json.dumps({"removed": removed}))
     return 0
@@ -292,7 +292,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     inv.add_argument("--namespace", action="append", metavar="ID", help="one namespace, by its id in "
                      "`kvstrata stats` (repeatable)")
     inv.add_argument("--all", action="store_true", help="every namespace in the store")
-    gcp = with_config(add(sub, "gc", "delete blocks of replaced generations, trim tiers to their sizes"))
+    gcp = with_config(add(sub, "gc", "delete blocks of older epochs, trim tiers to their sizes"))
     gcp.epilog = ("gc opens the store and waits until every block of the disk tier is in its index (a "
                   "progress bar on stderr when it is a terminal), then acts on the index: its memory grows "
                   "with the tier, about 400 bytes per block on the disk tier (the index's ~200, plus the "

@@ -4,7 +4,7 @@ finds its namespaces.
 
 The store knows a namespace only by its seed, a hash of every field of ``keys.Namespace``. An
 adapter calls ``BlockStore.describe(ns)`` once at start; the store gives ``encode(ns)`` to its
-epoch store, which keeps it beside the namespace's generation: ``<epochs folder>/<seed hex>.json``
+epoch store, which keeps it beside the namespace's epoch: ``<epochs folder>/<seed hex>.json``
 on disk, ``P:ns:<seed hex>`` in Redis. A CLI on any host that shares that state can then name the
 model. Nothing here runs on a lookup or save path.
 

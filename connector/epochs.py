@@ -1,32 +1,31 @@
-"""epochs.py: namespace epochs (``EpochStore``: ``get``, ``lookup_generation``, ``bump``;
-``MemoryEpochs``; ``PolledEpochs`` in ``polled_epochs.py``, the rules of generations other
-processes change) and
-``Retired``, the generations seen replaced. Bumping an epoch hides every older entry of that
+"""epochs.py: namespace epochs (``EpochStore``: ``get``, ``lookup_epoch``, ``bump``;
+``MemoryEpochs``; ``PolledEpochs`` in ``polled_epochs.py``, the rules of epochs other processes
+change) and ``Retired``, the epochs seen replaced. Bumping an epoch hides every older entry of that
 namespace at once. Each store also keeps the namespaces' descriptors (``describe``, ``descriptor``;
-see ``describe.py``) beside the generations.
+see ``describe.py``) beside the epochs.
 
-An epoch is a *generation*: a random non-zero 64-bit id, not a counter. The current generation is
-part of block -1's key (see keys.root_key), so after a bump no key of an older generation is ever
-computed again, and the index also rejects any entry whose generation differs. Generations are
-compared for equality only; they have no order.
+An epoch is a random non-zero 64-bit id, not a counter. The current epoch is part of block -1's
+key (see keys.root_key), so after a bump no key of an older epoch is ever computed again, and the
+index also rejects any entry whose epoch differs. Epochs are compared for equality only; they
+have no order.
 
 Why random ids and not a counter: epoch state can be lost (an evicted or deleted Redis key, a Redis
 restart without persistence, ``FLUSHDB``, a deleted ``epochs/`` folder). A counter then restarts at
 0 and hands out values that already had blocks, which makes invalidated blocks valid again. A lost
-generation is replaced by a fresh random one (created with an atomic create-if-absent, so every
+epoch is replaced by a fresh random one (created with an atomic create-if-absent, so every
 process sharing the state agrees on it): state loss costs hits, never correctness. A 64-bit random
 id recurs with probability 2^-64 per bump.
 
 The remaining way back is a *restore* of old state (a backup of the epochs folder, a Redis snapshot
-taken before a bump). Every store therefore remembers the generations it has seen replaced
+taken before a bump). Every store therefore remembers the epochs it has seen replaced
 (``retired``, bounded, and kept on disk where the store has a folder: the local floor) and treats a
-retired generation read back as lost state: it is replaced by a fresh one.
+retired epoch read back as lost state: it is replaced by a fresh one.
 
-Where the generation lives decides who sees a bump: ``MemoryEpochs`` (this process),
+Where the epoch lives decides who sees a bump: ``MemoryEpochs`` (this process),
 ``FileEpochs`` in ``tiers/file_epochs.py`` (every process sharing a folder: one small file per
 namespace, replaced atomically), ``RedisEpochs`` in ``tiers/redis_epochs.py`` (every instance
 sharing the Redis). The last two are ``PolledEpochs``: an instance that cannot read the shared
-state cannot know of a bump made elsewhere, so a generation is used by lookups only within a bound
+state cannot know of a bump made elsewhere, so an epoch is used by lookups only within a bound
 of its last confirmation, and a bump that could not be written serves nothing until it is.
 """
 
@@ -44,35 +43,35 @@ from pathlib import Path
 from .describe import MAX_BYTES as _MAX_DESCRIPTOR, SUFFIX as _DESCRIPTOR_SUFFIX
 
 log = logging.getLogger(__name__)
-MAX_GENERATION = (1 << 64) - 1
-_MAX_GENERATION_TEXT = 64  # a generation is at most 20 digits; whitespace around it is allowed
-_KEEP_RETIRED = 64  # generations remembered per namespace; a restore older than that goes unseen
+MAX_EPOCH = (1 << 64) - 1
+_MAX_EPOCH_TEXT = 64  # an epoch is at most 20 digits; whitespace around it is allowed
+_KEEP_RETIRED = 64  # epochs remembered per namespace; a restore older than that goes unseen
 
 
-def new_generation() -> int:
-    """A fresh random generation id in [1, 2^64)."""
+def new_epoch() -> int:
+    """A fresh random epoch id in [1, 2^64)."""
     return int.from_bytes(os.urandom(8), "little") or 1
 
 
-def parse_generation(raw: object) -> int | None:
-    """A stored generation (bytes or str of ASCII decimal digits, surrounding whitespace allowed)
+def parse_epoch(raw: object) -> int | None:
+    """A stored epoch (bytes or str of ASCII decimal digits, surrounding whitespace allowed)
     as an int in [1, 2^64), None for anything else: any type, length or content is answered, never
     raised on, since the value comes from a file or a server other hosts write."""
     if isinstance(raw, (bytes, bytearray)):
-        if len(raw) > _MAX_GENERATION_TEXT:  # checked before decoding: a huge value costs nothing
+        if len(raw) > _MAX_EPOCH_TEXT:  # checked before decoding: a huge value costs nothing
             return None
         try:
             raw = raw.decode("ascii")
         except UnicodeDecodeError:
             return None
-    if not isinstance(raw, str) or len(raw) > _MAX_GENERATION_TEXT:
+    if not isinstance(raw, str) or len(raw) > _MAX_EPOCH_TEXT:
         return None
     text = raw.strip()
     # isascii: str.isdigit() also accepts digits int() refuses ("²") or reads (Arabic-Indic)
     if not (text.isascii() and text.isdigit()) or len(text) > 20:
         return None
     value = int(text)
-    return value if 0 < value <= MAX_GENERATION else None
+    return value if 0 < value <= MAX_EPOCH else None
 
 
 def read_head(path: Path, limit: int) -> bytes:
@@ -88,10 +87,10 @@ def read_head(path: Path, limit: int) -> bytes:
 
 
 class Retired:
-    """Generations seen replaced, per namespace (bounded), optionally persisted in a folder.
+    """Epochs seen replaced, per namespace (bounded), optionally persisted in a folder.
 
     The persisted file (``<root>/<seed hex>.retired``, one id per line) is the local floor: it
-    survives a restart and the loss of the shared state, so a restored old generation is refused
+    survives a restart and the loss of the shared state, so a restored old epoch is refused
     even by a freshly started process that shares this folder.
     """
 
@@ -115,22 +114,22 @@ class Retired:
                 except OSError:
                     text = ""
                 for line in text.splitlines()[-_KEEP_RETIRED:]:
-                    value = parse_generation(line)
+                    value = parse_epoch(line)
                     if value is not None:
                         ids.append(value)
         return ids
 
     def __contains__(self, item: tuple[bytes, int]) -> bool:
-        ns_seed, gen = item
+        ns_seed, epoch = item
         with self._lock:
-            return gen in self._load(ns_seed)
+            return epoch in self._load(ns_seed)
 
-    def add(self, ns_seed: bytes, gen: int) -> None:
+    def add(self, ns_seed: bytes, epoch: int) -> None:
         with self._lock:
             ids = self._load(ns_seed)
-            if gen in ids:
+            if epoch in ids:
                 return
-            ids.append(gen)
+            ids.append(epoch)
             path = self._file(ns_seed)
             if path is None:
                 return
@@ -138,7 +137,7 @@ class Retired:
         try:
             write_atomic(path, text, self._mode)
         except OSError as e:  # the floor is a second line of defence: never fail a lookup on it
-            log.warning("kvstrata epochs: cannot record retired generation in %s: %s", path, e)
+            log.warning("kvstrata epochs: cannot record retired epoch in %s: %s", path, e)
 
 
 def temp_name(path: Path, suffix: str) -> Path:
@@ -184,15 +183,15 @@ def write_descriptor(root: Path, ns_seed: bytes, blob: bytes, mode: int) -> None
 
 
 class EpochStore(ABC):
-    """Current generation per namespace. ``get`` never returns a retired generation."""
+    """Current epoch per namespace. ``get`` never returns a retired epoch."""
 
     @abstractmethod
     def get(self, ns_seed: bytes) -> int:
-        """Current generation of a namespace, created (atomically) if there is none: the one
+        """Current epoch of a namespace, created (atomically) if there is none: the one
         saves are keyed under."""
 
-    def lookup_generation(self, ns_seed: bytes, since: float) -> tuple[int, bool]:
-        """The generation for a lookup that started at ``since`` (``time.monotonic()``), and
+    def lookup_epoch(self, ns_seed: bytes, since: float) -> tuple[int, bool]:
+        """The epoch for a lookup that started at ``since`` (``time.monotonic()``), and
         whether the lookup may use it: False when this store cannot vouch that it was still
         current ``bound`` before ``since`` (see ``PolledEpochs``); the lookup is then a miss.
         Stores only this process changes always vouch."""
@@ -200,18 +199,18 @@ class EpochStore(ABC):
 
     @abstractmethod
     def bump(self, ns_seed: bytes) -> int | None:
-        """Replace the generation by a fresh one; returns it, or None when it could not be
+        """Replace the epoch by a fresh one; returns it, or None when it could not be
         written where the other processes read it. After a failed bump the namespace serves
-        nothing (``lookup_generation`` says False) until the new generation is written, which
+        nothing (``lookup_epoch`` says False) until the new epoch is written, which
         is retried at every use."""
 
     def known(self) -> list[bytes]:
-        """Namespace seeds this store has a generation for."""
+        """Namespace seeds this store has an epoch for."""
         return []
 
     @abstractmethod
     def describe(self, ns_seed: bytes, blob: bytes) -> None:
-        """Keep a namespace's descriptor (``describe.encode``) beside its generation. Best
+        """Keep a namespace's descriptor (``describe.encode``) beside its epoch. Best
         effort: a failure is logged, never raised (it costs names in ``stats``, not hits)."""
 
     @abstractmethod
@@ -219,11 +218,11 @@ class EpochStore(ABC):
         """The descriptor kept for a namespace, as stored: untrusted, ``describe.decode`` it."""
 
     def close(self) -> None:
-        """Stop background work (subscribers); generations already written stay."""
+        """Stop background work (subscribers); epochs already written stay."""
 
 
 class MemoryEpochs(EpochStore):
-    """Generations of this process only (no tier outlives it)."""
+    """Epochs of this process only (no tier outlives it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -232,15 +231,15 @@ class MemoryEpochs(EpochStore):
 
     def get(self, ns_seed: bytes) -> int:
         with self._lock:
-            gen = self._epochs.get(ns_seed)
-            if gen is None:
-                gen = self._epochs[ns_seed] = new_generation()
-            return gen
+            epoch = self._epochs.get(ns_seed)
+            if epoch is None:
+                epoch = self._epochs[ns_seed] = new_epoch()
+            return epoch
 
     def bump(self, ns_seed: bytes) -> int:
         with self._lock:
-            gen = self._epochs[ns_seed] = new_generation()
-            return gen
+            epoch = self._epochs[ns_seed] = new_epoch()
+            return epoch
 
     def known(self) -> list[bytes]:
         with self._lock:

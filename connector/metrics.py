@@ -63,10 +63,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("evictions", "counter", "Blocks evicted from a tier for capacity.", "{tier}_evicted"),
     MetricDef("invalidations", "counter", "Namespace invalidations (epoch bumps).", "invalidations"),
     MetricDef("invalidation_failures", "counter", "Invalidations the shared tier refused (the namespace serves "
-              "nothing here until the new generation is written).", "invalidation_failures"),
-    MetricDef("unconfirmed_generation_misses", "counter", "Lookups that missed because the shared tier had not "
-              "confirmed the namespace's generation within remote.invalidation_ms + confirm_margin_ms.",
-              "unconfirmed_generation_misses"),
+              "nothing here until the new epoch is written).", "invalidation_failures"),
+    MetricDef("unconfirmed_epoch_misses", "counter", "Lookups that missed because the shared tier had not "
+              "confirmed the namespace's epoch within remote.invalidation_ms + confirm_margin_ms.",
+              "unconfirmed_epoch_misses"),
     MetricDef("breaker_trips", "counter", "Times the shared tier's circuit breaker opened.",
               "{tier}_circuit_opened"),
     MetricDef("resident_bytes", "gauge", "Bytes a tier holds now.", "{tier}_resident_bytes"),

@@ -77,14 +77,14 @@ def _blocks(n: int) -> str:
     return f"{n} block" if n == 1 else f"{n} blocks"
 
 
-def _namespace_lines(ns_id: str, d: Mapping[str, Any] | None, gen: str | None,
+def _namespace_lines(ns_id: str, d: Mapping[str, Any] | None, epoch: str | None,
                      epochs: Mapping[str, Mapping[str, int]]) -> list[str]:
-    live = epochs.get(gen or "", {"blocks": 0, "bytes": 0})
-    old = [v for e, v in epochs.items() if e != gen]
-    stored = f"{_blocks(live['blocks'])}, {size_text(live['bytes'])} (generation {gen or '-'})"
+    live = epochs.get(epoch or "", {"blocks": 0, "bytes": 0})
+    old = [v for e, v in epochs.items() if e != epoch]
+    stored = f"{_blocks(live['blocks'])}, {size_text(live['bytes'])} (epoch {epoch or '-'})"
     if old:
         stored += (f"; {_blocks(sum(v['blocks'] for v in old))}, {size_text(sum(v['bytes'] for v in old))} "
-                   "of older generations, never served again (`kvstrata gc` reclaims them)")
+                   "of older epochs, never served again (`kvstrata gc` reclaims them)")
     lines = [f"  {ns_id}  {d['model'] if d else _NO_DESCRIPTOR}", f"    stored     {stored}"]
     if d:
         extra = "".join(f", {k} {v}" for k, v in sorted(d["extra"].items()))

@@ -63,16 +63,16 @@ def test_invalidate_then_gc_empties_the_namespace(tmp_path):
     assert "unknown namespace" in kvstrata("invalidate", "--config", str(cfg), "--namespace", "nope",
                                            check=False).stderr
     out = kvstrata("invalidate", "--config", str(cfg), "--namespace", NS.id).stdout
-    assert out.startswith(f"{NS.id}: new generation ")
-    gen = out.split()[-1]
+    assert out.startswith(f"{NS.id}: new epoch ")
+    epoch = out.split()[-1]
     assert json.loads(kvstrata("gc", "--config", str(cfg)).stdout)["removed"] == {"l1": 0, "l2": 0}
     data = json.loads(kvstrata("stats", "--config", str(cfg), "--json").stdout)
-    assert data["tiers"]["l2"]["blocks"] == 0 and data["current_epochs"][NS.id] == gen
+    assert data["tiers"]["l2"]["blocks"] == 0 and data["current_epochs"][NS.id] == epoch
     assert not list((tmp_path / "l2" / "blocks").glob("*/*.kvb"))
 
 
-def test_gc_reports_old_generation_blocks_that_landed_after_the_invalidation(tmp_path):
-    """A writer of the old generation that finishes after ``invalidate`` leaves blocks no reader
+def test_gc_reports_old_epoch_blocks_that_landed_after_the_invalidation(tmp_path):
+    """A writer of the old epoch that finishes after ``invalidate`` leaves blocks no reader
     serves. The end of the disk tier's background count drops them before gc's own pass, and gc
     still reports every one it removed."""
     cfg = config_file(tmp_path)

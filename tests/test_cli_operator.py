@@ -99,7 +99,7 @@ def test_stats_names_each_model_with_human_sizes(two_models):
                              ("tenant", ns.tenant or "-")):
             assert f"    {label:<10} {value}\n" in lines, (label, out)
         assert f"    engine     {ns.engine}: 16-token blocks, rank 0 of {ns.world_size}" in lines, out
-        assert "9 blocks, 9.0 KiB (generation " in lines, out  # 3 prompts x 3 blocks x 1 KiB
+        assert "9 blocks, 9.0 KiB (epoch " in lines, out  # 3 prompts x 3 blocks x 1 KiB
     assert "18.0 KiB" in out and "256.0 MiB" in out, out  # the disk tier: used, capacity
     assert not re.search(rf"\b({9 * SIZE}|{18 * SIZE})\b", out), out  # no raw byte counts
 
@@ -119,7 +119,7 @@ def test_invalidate_model_hides_that_models_blocks_and_no_others(two_models):
     cfg, b = two_models
     before = json.loads(ok("stats", "--config", str(cfg), "--json"))["current_epochs"]
     out = ok("invalidate", "--config", str(cfg), "--model", A.model)
-    assert out.startswith(f"{A.id}: new generation ") and A.model in out and b.id not in out, out
+    assert out.startswith(f"{A.id}: new epoch ") and A.model in out and b.id not in out, out
     assert hit_blocks(cfg, A) == 0
     assert hit_blocks(cfg, b) == 3 * PROMPTS
     after = json.loads(ok("stats", "--config", str(cfg), "--json"))["current_epochs"]
@@ -131,7 +131,7 @@ def test_invalidate_model_by_another_spelling_of_its_path(two_models):
     trailing slash, from another folder."""
     cfg, b = two_models
     out = ok("invalidate", "--config", str(cfg), "--model", "model-b/", cwd=Path(b.model).parent)
-    assert out.startswith(f"{b.id}: new generation "), out
+    assert out.startswith(f"{b.id}: new epoch "), out
     assert hit_blocks(cfg, b) == 0 and hit_blocks(cfg, A) == 3 * PROMPTS
 
 
@@ -165,8 +165,8 @@ def test_invalidate_where_the_epochs_cannot_be_written_fails_clearly(two_models)
     assert res.returncode == 1, res
     assert f"{A.id}: NOT invalidated" in res.stderr and "1 of 2" in res.stderr, res.stderr
     assert str(blocker) in res.stderr  # the log line says what could not be written
-    assert f"{b.id}: new generation" in res.stdout
-    assert hit_blocks(cfg, b) == 0 and hit_blocks(cfg, A) == 0  # A: its generation cannot be confirmed
+    assert f"{b.id}: new epoch" in res.stdout
+    assert hit_blocks(cfg, b) == 0 and hit_blocks(cfg, A) == 0  # A: its epoch cannot be confirmed
 
 
 def test_invalidate_without_a_choice_bumps_nothing(two_models):

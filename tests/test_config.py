@@ -45,6 +45,20 @@ def test_unknown_key_names_file_and_key_path(tmp_path):
     assert str(path) in msg and "l1.sise" in msg and "unknown key" in msg
 
 
+@pytest.mark.parametrize("via_override", [False, True])
+def test_a_renamed_key_names_file_old_key_and_new_name(tmp_path, via_override):
+    """remote.allow_stale_generation is now remote.allow_stale_epoch: a config (or an engine
+    override) that still uses the old name is refused with the new one, not as a typo."""
+    if via_override:
+        path = write(tmp_path, "l1:\n  size: 1GiB\n")
+        msg = error_of(path, {"remote.allow_stale_generation": True})
+    else:
+        path = write(tmp_path, "remote:\n  allow_stale_generation: true\n")
+        msg = error_of(path)
+    assert str(path) in msg and "remote.allow_stale_generation: renamed to remote.allow_stale_epoch" in msg, msg
+    assert "unknown key" not in msg, msg
+
+
 def test_wrong_type_names_key_expectation_and_value(tmp_path):
     path = write(tmp_path, "saves:\n  threads: many\n")
     msg = error_of(path)

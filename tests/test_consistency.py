@@ -42,8 +42,8 @@ def test_epoch_state_loss_never_makes_invalidated_blocks_valid_again(tmp_path, n
         assert fresh.lookup(ns, tokens).num_blocks == 0
 
 
-def test_a_corrupt_epoch_file_starts_a_new_generation(tmp_path, ns):
-    """Scenario: the epoch file holds garbage. The store starts a fresh generation (old blocks
+def test_a_corrupt_epoch_file_starts_a_new_epoch(tmp_path, ns):
+    """Scenario: the epoch file holds garbage. The store starts a fresh epoch (old blocks
     are misses) instead of failing or reading 0."""
     tokens = random_tokens("p", 2 * BLOCK_SIZE)
     with BlockStore(make_config(tmp_path)) as a:
@@ -56,10 +56,10 @@ def test_a_corrupt_epoch_file_starts_a_new_generation(tmp_path, ns):
         assert int((tmp_path / "l2" / "epochs" / ns.seed.hex()).read_text()) == b.current_epoch(ns)
 
 
-def test_a_restored_retired_generation_is_refused(tmp_path, ns):
+def test_a_restored_retired_epoch_is_refused(tmp_path, ns):
     """Scenario: the epochs folder is restored from a backup taken before an invalidation, so
-    the file names the generation the blocks on disk were written under. The floor (the retired
-    generations kept beside it) refuses it: the blocks stay invisible."""
+    the file names the epoch the blocks on disk were written under. The floor (the retired
+    epochs kept beside it) refuses it: the blocks stay invisible."""
     tokens = random_tokens("p", 2 * BLOCK_SIZE)
     epoch_file = tmp_path / "l2" / "epochs" / ns.seed.hex()
     with BlockStore(make_config(tmp_path)) as a:
@@ -75,9 +75,9 @@ def test_a_restored_retired_generation_is_refused(tmp_path, ns):
         assert b.current_epoch(ns) != int(backup)
 
 
-def test_concurrent_first_use_agrees_on_one_generation(tmp_path, ns):
+def test_concurrent_first_use_agrees_on_one_epoch(tmp_path, ns):
     """Scenario: eight threads (as eight processes would) read a namespace that has no epoch
-    file yet; the create-if-absent makes them all use one generation."""
+    file yet; the create-if-absent makes them all use one epoch."""
     root = tmp_path / "epochs"
     stores = [FileEpochs(root) for _ in range(8)]
     seen: list[int] = []

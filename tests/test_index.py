@@ -133,7 +133,7 @@ def test_stale_epoch_entries_are_replaced_and_reported_for_gc():
     index = BlockIndex()
     old = chain_for(range(16), epoch=0)
     rows = commit_chain(index, old, epoch=0)
-    assert index.stale_rows(NS.seed, 1) == rows  # any other generation is stale: no order
+    assert index.stale_rows(NS.seed, 1) == rows  # any other epoch is stale: no order
     assert index.stale_rows(NS.seed, 0) == []
 
 

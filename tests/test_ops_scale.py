@@ -232,7 +232,7 @@ def test_check_shows_a_bar_with_a_total_on_a_terminal_only(tmp_path: Path, env: 
 
 
 def _gc_folder(root: Path, n: int, stale: int) -> set[Path]:
-    """``n`` blocks of a namespace's current generation and ``stale`` of an older one; returns the
+    """``n`` blocks of a namespace's current epoch and ``stale`` of an older one; returns the
     stale files."""
     ns = make_namespace()
     with BlockStore(make_config(root.parent, **{"l2.size": 1 << 30})) as store:
@@ -245,10 +245,10 @@ def _gc_folder(root: Path, n: int, stale: int) -> set[Path]:
 
 
 def test_gc_shows_progress_and_removes_the_same(tmp_path: Path, env: dict[str, str]) -> None:
-    """Scenario: two identical folders of 20,000 blocks, 500 of an older generation. ``gc`` on a
+    """Scenario: two identical folders of 20,000 blocks, 500 of an older epoch. ``gc`` on a
     terminal shows the count of the disk tier (256 shard folders, every block) and its own stage;
     with stderr not a terminal it prints nothing there. Both print the same result and leave the
-    same blocks: the current generation's, every one."""
+    same blocks: the current epoch's, every one."""
     results = []
     for name, terminal in (("tty", True), ("pipe", False)):
         root = tmp_path / name / "l2"
@@ -258,7 +258,7 @@ def test_gc_shows_progress_and_removes_the_same(tmp_path: Path, env: dict[str, s
         if terminal:
             rc, out, term = _on_terminal(["gc", "--config", str(cfg)], env)
             assert "counting the disk tier" in term and "256/256 shard folders, 20,500 blocks" in term, term[-2000:]
-            assert "gc: dropping older generations" in term
+            assert "gc: dropping older epochs" in term
         else:
             res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "gc", "--config", str(cfg)],
                                  capture_output=True, text=True, timeout=120, env=env)

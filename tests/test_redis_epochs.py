@@ -1,10 +1,10 @@
 """Epoch state in a real redis-server can be lost or damaged; that may cost hits, never correctness.
 
-Each scenario stores a prompt under one generation, invalidates it from another instance, then
+Each scenario stores a prompt under one epoch, invalidates it from another instance, then
 loses the epoch state the way the world does (the key deleted or evicted, a restart without
-persistence with the blocks restored, FLUSHDB, a value that is not a generation, an old
-generation restored), and checks that no instance ever loads a block of the invalidated
-generation again, from Redis or from its local disk.
+persistence with the blocks restored, FLUSHDB, a value that is not an epoch, an old
+epoch restored), and checks that no instance ever loads a block of the invalidated
+epoch again, from Redis or from its local disk.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_deleted_epoch_key_never_revives_an_invalidated_epoch(tmp_path, server):
     assert client.delete(EPOCH_KEY) == 1
     assert hits(tmp_path, "fresh", url) == 0  # from Redis
     assert hits(tmp_path, "writer", url) == 0  # from the writer's local disk
-    assert client.get(EPOCH_KEY) is not None  # a fresh generation was created
+    assert client.get(EPOCH_KEY) is not None  # a fresh epoch was created
 
 
 def test_redis_restart_without_persistence_never_revives_an_invalidated_epoch(tmp_path, server):
@@ -114,12 +114,12 @@ def test_flushdb_never_revives_an_invalidated_epoch_from_local_disk(tmp_path, se
 
 
 def test_a_second_reset_after_the_key_was_lost_hides_the_blocks_it_should(tmp_path, server):
-    """Scenario: the key is lost after a reset; a second reset must hand out a generation that
+    """Scenario: the key is lost after a reset; a second reset must hand out an epoch that
     never had blocks (INCR handed out 1 again), so it hides the blocks stored since."""
     url, _, _ = server
     invalidated_elsewhere(tmp_path, url)
     with open_store(tmp_path, "writer", url) as writer:
-        store_prompt(writer)  # under the generation of the first reset
+        store_prompt(writer)  # under the epoch of the first reset
         assert writer.lookup(NS, tokens()).num_blocks == 4
         redis.Redis.from_url(url).delete(EPOCH_KEY)
         writer.invalidate(NS.seed)
@@ -127,10 +127,10 @@ def test_a_second_reset_after_the_key_was_lost_hides_the_blocks_it_should(tmp_pa
     assert hits(tmp_path, "fresh", url) == 0
 
 
-def test_a_restored_old_generation_is_refused_by_the_instances_that_saw_it_replaced(tmp_path, server):
+def test_a_restored_old_epoch_is_refused_by_the_instances_that_saw_it_replaced(tmp_path, server):
     """Scenario: Redis comes back from a snapshot taken before an invalidation, so the epoch key
-    names the generation the old blocks were written under. The writer saw that generation
-    replaced (in memory and in its disk's floor); it refuses it, starts a new generation, and
+    names the epoch the old blocks were written under. The writer saw that epoch
+    replaced (in memory and in its disk's floor); it refuses it, starts a new epoch, and
     counts the rollback."""
     url, _, _ = server
     client = redis.Redis.from_url(url)
@@ -146,10 +146,10 @@ def test_a_restored_old_generation_is_refused_by_the_instances_that_saw_it_repla
 
 
 @pytest.mark.parametrize("value", [b"not a number", str(1 << 64).encode(), b"-3", b"0", b"\xff\xfe"])
-def test_an_epoch_value_that_is_not_a_generation_is_replaced_not_fatal(tmp_path, server, value):
+def test_an_epoch_value_that_is_not_a_valid_epoch_is_replaced_not_fatal(tmp_path, server, value):
     """Scenario: the epoch key holds garbage, 2^64, a negative number, zero, or invalid UTF-8.
     Lookups go on (no exception), the old blocks are misses, and the value is replaced by a
-    valid generation that every instance then shares."""
+    valid epoch that every instance then shares."""
     url, _, _ = server
     client = redis.Redis.from_url(url)
     with open_store(tmp_path, "writer", url) as writer:
@@ -162,9 +162,9 @@ def test_an_epoch_value_that_is_not_a_generation_is_replaced_not_fatal(tmp_path,
     assert int(client.get(EPOCH_KEY)) == a.current_epoch(NS)
 
 
-def test_a_forged_announcement_cannot_set_a_generation(tmp_path, server):
+def test_a_forged_announcement_cannot_set_an_epoch(tmp_path, server):
     """Scenario: a message on the epochs channel carries a huge or malformed value. Instances
-    only re-read Redis on an announcement, so lookups go on and serve the current generation."""
+    only re-read Redis on an announcement, so lookups go on and serve the current epoch."""
     url, _, _ = server
     import time
 

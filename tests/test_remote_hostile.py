@@ -24,7 +24,7 @@ from test_redis_epochs import open_store as epochs_store
 from kvstrata import BlockStore, Namespace
 from kvstrata.blockfmt import HEADER, HEADER_SIZE, pack_header, payload_checksum, unpack_header
 from kvstrata.config import load_config
-from kvstrata.epochs import parse_generation
+from kvstrata.epochs import parse_epoch
 from kvstrata.keys import FORMAT_VERSION
 from kvstrata.store.saver import Saver
 
@@ -114,7 +114,7 @@ def forged(meta, **changes) -> tuple[bytes, bytes]:
 @pytest.mark.parametrize("kind", ["hash", "list", "set"])
 def test_epoch_key_of_another_type_is_counted_and_replaced_not_an_error(tmp_path, shared, kind):
     """Scenario: someone turns the epoch key into a hash, list or set. GET-like commands fail
-    with WRONGTYPE on it; the instance counts it, replaces it by a fresh generation (old blocks
+    with WRONGTYPE on it; the instance counts it, replaces it by a fresh epoch (old blocks
     become misses), and the shared tier keeps working: no breaker errors, no open circuit."""
     client = shared.client
     client.delete(EPOCH_KEY)
@@ -125,7 +125,7 @@ def test_epoch_key_of_another_type_is_counted_and_replaced_not_an_error(tmp_path
         assert b.lookup(NS, shared.tokens).num_blocks == 0
         time.sleep(0.002)
     assert client.type(EPOCH_KEY) == b"string"
-    assert b.current_epoch(NS) == parse_generation(client.get(EPOCH_KEY))
+    assert b.current_epoch(NS) == parse_epoch(client.get(EPOCH_KEY))
     counters = b.counters.snapshot()
     assert counters.get("remote_wrong_type") == 1
     assert counters.get("remote_errors", 0) == 0 and counters.get("remote_circuit_opened", 0) == 0
@@ -137,7 +137,7 @@ def test_epoch_key_of_another_type_is_counted_and_replaced_not_an_error(tmp_path
 
 def test_epoch_value_of_a_megabyte_is_replaced_without_reading_it_all(tmp_path, shared):
     """Scenario: the epoch key holds a megabyte of digits. Only its first bytes are read: the
-    value is not a generation, it is replaced and counted, and the instance never pulls the
+    value is not an epoch, it is replaced and counted, and the instance never pulls the
     megabyte over the network (a 512 MB value would otherwise time out every read)."""
     client = shared.client
     client.set(EPOCH_KEY, b"7" * (1 << 20))
@@ -147,14 +147,14 @@ def test_epoch_value_of_a_megabyte_is_replaced_without_reading_it_all(tmp_path, 
     sent = client.info("stats")["total_net_output_bytes"] - before
     assert sent < 64 << 10, f"{sent} bytes sent for one epoch read"
     assert b.counters.get("remote_bad_epochs") == 1
-    assert parse_generation(client.get(EPOCH_KEY)) == b.current_epoch(NS)
+    assert parse_epoch(client.get(EPOCH_KEY)) == b.current_epoch(NS)
 
 
 @pytest.mark.parametrize("text", ["²", "١٢٣", "1" * 5000, "  42 ", b"\x00" * 10, "0x10", "+5", "1e3"])
-def test_parse_generation_answers_any_text_and_never_raises(text):
+def test_parse_epoch_answers_any_text_and_never_raises(text):
     """Scenario: text int() refuses although str.isdigit() accepts it (superscripts), digits
     of other scripts, 5000 digits (int() refuses over 4300), whitespace, NULs, other notations."""
-    assert parse_generation(text) == (42 if text == "  42 " else None)
+    assert parse_epoch(text) == (42 if text == "  42 " else None)
 
 
 def test_tail_set_of_another_type_is_replaced_when_a_tail_is_saved(tmp_path, url):
@@ -277,8 +277,8 @@ def test_index_entry_naming_another_block_is_a_wrong_key(shared):
     assert b.counters.get("remote_wrong_key") >= 1  # the lookup may probe from block 5 twice
 
 
-def test_value_with_a_header_of_another_generation_is_a_wrong_key(shared):
-    """Scenario: block 5's value has the right key but another generation in its header."""
+def test_value_with_a_header_of_another_epoch_is_a_wrong_key(shared):
+    """Scenario: block 5's value has the right key but another epoch in its header."""
     meta = unpack_header(shared.client.get(i_name(shared.chain.keys[5])))
     shared.client.set(p_name(meta.key), forged(meta, epoch=meta.epoch ^ 1, size=SIZE)[1])
     b = shared.reader()

@@ -1,9 +1,9 @@
-"""A shared tier that is slow, hung, refusing or unmounted costs hits, never a retired generation.
+"""A shared tier that is slow, hung, refusing or unmounted costs hits, never a retired epoch.
 
-An instance that cannot read the shared epoch state cannot know that another instance retired a
-generation. So a lookup uses a generation only within ``remote.invalidation_ms +
+An instance that cannot read the shared epoch state cannot know that another instance retired an
+epoch. So a lookup uses an epoch only within ``remote.invalidation_ms +
 remote.confirm_margin_ms`` of the read that confirmed it, stamped when the read was *sent*; past
-that it misses (``unconfirmed_generation_misses``). A reset that cannot be written fails and this
+that it misses (``unconfirmed_epoch_misses``). A reset that cannot be written fails and this
 instance serves nothing of the namespace until it is. Redis is reached through
 ``tools.netfault.FaultyProxy`` (a real TCP proxy), the shared folder through a link that is
 removed the way a mount goes away.
@@ -78,7 +78,7 @@ def reset_elsewhere_is_not_served(a: BlockStore, b: BlockStore, seconds: float) 
         time.sleep(0.005)
     late = [n for started, n in seen if started > reset_at + BOUND_S]
     assert late and not any(late), seen
-    assert a.counters.get("unconfirmed_generation_misses") > 0
+    assert a.counters.get("unconfirmed_epoch_misses") > 0
 
 
 # ----------------------------------------------------------------------------- the clock rule
@@ -98,10 +98,10 @@ class Shared(PolledEpochs):
             raise OSError("unreachable")
         return value
 
-    def _write(self, ns_seed: bytes, gen: int) -> None:
+    def _write(self, ns_seed: bytes, epoch: int) -> None:
         if self.down:
             raise OSError("unreachable")
-        self.value = gen
+        self.value = epoch
 
     def _attempt(self, fn: Callable[[], T], default: T) -> T:
         try:
@@ -119,31 +119,31 @@ class Shared(PolledEpochs):
 def test_a_late_reply_confirms_from_when_it_was_sent_not_when_it_arrived():
     """Scenario: a poll whose reply arrives 0.3 s late (a starved process), longer than the 0.1 s
     bound, then the service goes away. A lookup that starts once the reply is in may not use it:
-    the generation was confirmed when the read was sent, 0.3 s ago. A lookup that started before
+    the epoch was confirmed when the read was sent, 0.3 s ago. A lookup that started before
     the read was sent may (the value was current after it started)."""
     epochs = Shared()
     seed = b"s" * 16
     early = time.monotonic()
     epochs.read_delay = 0.3
-    assert epochs.lookup_generation(seed, early) == (11, True)
+    assert epochs.lookup_epoch(seed, early) == (11, True)
     epochs.down, epochs.read_delay = True, 0.0
-    assert epochs.lookup_generation(seed, time.monotonic()) == (11, False)
+    assert epochs.lookup_epoch(seed, time.monotonic()) == (11, False)
     epochs.down = False
-    assert epochs.lookup_generation(seed, time.monotonic()) == (11, True)  # answers again: hits resume
+    assert epochs.lookup_epoch(seed, time.monotonic()) == (11, True)  # answers again: hits resume
 
 
-def test_a_retired_generation_is_not_used_after_the_bound_while_polls_fail():
+def test_a_retired_epoch_is_not_used_after_the_bound_while_polls_fail():
     epochs = Shared()
     seed = b"s" * 16
     start = time.monotonic()
-    assert epochs.lookup_generation(seed, start) == (11, True)  # its read was sent after ``start``
+    assert epochs.lookup_epoch(seed, start) == (11, True)  # its read was sent after ``start``
     epochs.down = True
     epochs.value = 12  # retired elsewhere while this process cannot read
-    assert epochs.lookup_generation(seed, start + 0.09) == (11, True)  # within the bound: allowed
+    assert epochs.lookup_epoch(seed, start + 0.09) == (11, True)  # within the bound: allowed
     time.sleep(0.12)
-    assert epochs.lookup_generation(seed, time.monotonic())[1] is False
+    assert epochs.lookup_epoch(seed, time.monotonic())[1] is False
     epochs.down = False
-    assert epochs.lookup_generation(seed, time.monotonic()) == (12, True)
+    assert epochs.lookup_epoch(seed, time.monotonic()) == (12, True)
 
 
 def test_a_bump_that_cannot_be_written_serves_nothing_until_it_is():
@@ -152,11 +152,11 @@ def test_a_bump_that_cannot_be_written_serves_nothing_until_it_is():
     assert epochs.get(seed) == 11
     epochs.down = True
     assert epochs.bump(seed) is None
-    pending = epochs.get(seed)  # saves go under the new generation meanwhile
+    pending = epochs.get(seed)  # saves go under the new epoch meanwhile
     assert pending != 11 and epochs.value == 11
-    assert epochs.lookup_generation(seed, time.monotonic()) == (pending, False)
+    assert epochs.lookup_epoch(seed, time.monotonic()) == (pending, False)
     epochs.down = False
-    assert epochs.lookup_generation(seed, time.monotonic()) == (pending, True)  # written at the next use
+    assert epochs.lookup_epoch(seed, time.monotonic()) == (pending, True)  # written at the next use
     assert epochs.value == pending and (seed, 11) in epochs.retired
 
 
@@ -179,7 +179,7 @@ def test_concurrent_lookups_share_one_read():
 
     def look() -> None:
         together.wait()
-        results.append(epochs.lookup_generation(seed, time.monotonic()))
+        results.append(epochs.lookup_epoch(seed, time.monotonic()))
 
     threads = [threading.Thread(target=look) for _ in range(8)]
     for t in threads:
@@ -205,7 +205,7 @@ def test_a_reset_elsewhere_is_not_served_past_the_bound_while_redis_is(tmp_path,
     """Scenario: instance A reaches Redis through a proxy, B directly. A holds the prompt in its
     own L1 and disk. The proxy turns slow (300 ms), hung or refusing, and B resets the namespace.
     No lookup of A that starts more than the bound after the reset finds a block; those misses
-    are counted. When the proxy forwards again A learns the new generation: the old blocks stay
+    are counted. When the proxy forwards again A learns the new epoch: the old blocks stay
     misses, and what A stores now is hit again."""
     with FaultyProxy(redis_url) as proxy, open_store(tmp_path, "a", {"url": proxy.url}) as a, \
             open_store(tmp_path, "b", {"url": redis_url}) as b:
@@ -215,7 +215,7 @@ def test_a_reset_elsewhere_is_not_served_past_the_bound_while_redis_is(tmp_path,
         reset_elsewhere_is_not_served(a, b, 1.0)
         proxy.set_mode("pass")
         assert wait_until(lambda: a.lookup(NS, tokens(1)).epoch == b.current_epoch(NS))
-        assert a.lookup(NS, tokens()).num_blocks == 0  # the old generation, on A's own disk
+        assert a.lookup(NS, tokens()).num_blocks == 0  # the old epoch, on A's own disk
         store_prompt(a)
         assert a.lookup(NS, tokens()).num_blocks == 4
 
@@ -229,15 +229,15 @@ def test_hits_resume_when_redis_answers_again(tmp_path, redis_url, mode):
         time.sleep(BOUND_S)
         assert wait_until(lambda: a.lookup(NS, tokens()).num_blocks == 0)  # unconfirmed: a miss
         proxy.set_mode("pass")
-        assert wait_until(lambda: a.lookup(NS, tokens()).num_blocks == 4)  # the same generation, confirmed
+        assert wait_until(lambda: a.lookup(NS, tokens()).num_blocks == 4)  # the same epoch, confirmed
 
 
 @needs_redis
 def test_a_reset_that_cannot_reach_redis_fails_and_serves_nothing_until_written(tmp_path, redis_url):
     """Scenario: A resets while Redis refuses it. The reset reports failure (None, counted), A
     serves nothing of the namespace (its own disk holds the old blocks), while B, which never
-    heard of it, still serves the old generation: that is what a failed reset leaves. When Redis
-    answers, A's next use writes the new generation, and B stops serving the old one."""
+    heard of it, still serves the old epoch: that is what a failed reset leaves. When Redis
+    answers, A's next use writes the new epoch, and B stops serving the old one."""
     with FaultyProxy(redis_url) as proxy, open_store(tmp_path, "a", {"url": proxy.url}) as a, \
             open_store(tmp_path, "b", {"url": redis_url}) as b:
         store_prompt(a)
@@ -273,15 +273,15 @@ def test_cli_invalidate_says_what_was_not_invalidated_and_exits_1(tmp_path, redi
         proxy.set_mode("pass")
         res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "invalidate", "--all", "--config", str(config)],
                              capture_output=True, text=True, timeout=120)
-        assert res.returncode == 0 and "new generation" in res.stdout, res.stdout + res.stderr
+        assert res.returncode == 0 and "new epoch" in res.stdout, res.stdout + res.stderr
 
 
 # ----------------------------------------------------------------------------- shared folder
-def test_a_shared_folder_that_goes_away_costs_hits_never_a_retired_generation(tmp_path):
+def test_a_shared_folder_that_goes_away_costs_hits_never_a_retired_epoch(tmp_path):
     """Scenario: A mounts the shared folder through a link (its mount point), B directly. A's
     mount goes away (the link removed), B resets the namespace. Past the bound A serves nothing
     of the namespace, though its own disk holds the old blocks; when the mount is back A reads
-    the new generation and the old blocks stay misses."""
+    the new epoch and the old blocks stay misses."""
     shared = tmp_path / "shared"
     mount = tmp_path / "mnt"
     shared.mkdir(mode=0o700)

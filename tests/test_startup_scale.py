@@ -254,10 +254,10 @@ def test_the_count_is_exact_whatever_this_process_writes_and_deletes_while_a_sha
     assert not set(deleted) & set(handed)
 
 
-def test_an_invalidation_during_the_scan_reclaims_the_old_generation_everywhere(tmp_path, monkeypatch):
+def test_an_invalidation_during_the_scan_reclaims_the_old_epoch_everywhere(tmp_path, monkeypatch):
     """Scenario: a folder holds 20 prompts; a store reopens it with its scan slowed and, before
     the scan is done, invalidates the namespace (its gc sees only the blocks indexed so far).
-    Once the scan is done every file of the old generation is gone, and the prompts miss."""
+    Once the scan is done every file of the old epoch is gone, and the prompts miss."""
     from conftest import make_namespace
 
     ns = make_namespace()
@@ -273,10 +273,10 @@ def test_an_invalidation_during_the_scan_reclaims_the_old_generation_everywhere(
         assert len(store.index) == 0
 
 
-def test_stats_count_every_namespace_generation_and_tier_like_a_loop_over_the_entries(tmp_path):
-    """Scenario: two namespaces, one of them invalidated between saves (two generations), blocks
+def test_stats_count_every_namespace_epoch_and_tier_like_a_loop_over_the_entries(tmp_path):
+    """Scenario: two namespaces, one of them invalidated between saves (two epochs), blocks
     of two sizes, some only in L1 (``l2.write: on_evict``) and some demoted to L2. ``stats``
-    (vectorized over the index columns) gives the same blocks and bytes per namespace, generation
+    (vectorized over the index columns) gives the same blocks and bytes per namespace, epoch
     and tier as a Python loop over every entry."""
     from conftest import make_namespace
 
@@ -284,7 +284,7 @@ def test_stats_count_every_namespace_generation_and_tier_like_a_loop_over_the_en
     cfg = make_config(tmp_path, **{"l1.size": 40 * 256, "l2.write": "on_evict"})
     with BlockStore(cfg) as store:
         for i, (ns, size) in enumerate([(a, 256), (b, 256), (a, 256), (b, 128)]):
-            if i == 2:  # b's first generation stays indexed while pinned (gc spares pinned rows)
+            if i == 2:  # b's first epoch stays indexed while pinned (gc spares pinned rows)
                 pinned = store.lookup(b, _prompt(1)[: 30 * 16], pin=True)
                 assert pinned.num_blocks == 30
                 store.invalidate(b.seed)

@@ -680,12 +680,12 @@ def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
 
 # ---------------------------------------------------------------- the epochs folder, planted
 @pytest.mark.parametrize("plant", ["fifo", "symlink", "folder"])
-def test_planted_epoch_file_neither_hangs_nor_is_followed_and_makes_a_new_generation(tmp_path, plant):
+def test_planted_epoch_file_neither_hangs_nor_is_followed_and_makes_a_new_epoch(tmp_path, plant):
     """Scenario: the epochs folder (beside the tier, and on a shared folder) is writable by
-    others. Someone puts a FIFO, a link to a file outside (holding a valid-looking generation)
+    others. Someone puts a FIFO, a link to a file outside (holding a valid-looking epoch)
     or a folder where a namespace's epoch file and its floor (``.retired``) go. Opening a store
     and looking up must not wait on the FIFO, must not read or change the file outside, and the
-    namespace gets a fresh generation (older blocks are misses, never valid again)."""
+    namespace gets a fresh epoch (older blocks are misses, never valid again)."""
     ns = make_namespace()
     with BlockStore(make_config(tmp_path)) as a:
         store_prompt(a, ns, random_tokens("epoch", 48))
@@ -693,7 +693,7 @@ def test_planted_epoch_file_neither_hangs_nor_is_followed_and_makes_a_new_genera
     epochs = tmp_path / "l2" / "epochs"
     outside = tmp_path / "outside"
     outside.mkdir()
-    target = outside / "generation"
+    target = outside / "epoch"
     target.write_text(f"{old}\n")
     before = target.stat()
     for path in (epochs / ns.seed.hex(), epochs / f"{ns.seed.hex()}.retired"):
@@ -716,9 +716,9 @@ def test_planted_epoch_file_neither_hangs_nor_is_followed_and_makes_a_new_genera
     worker.join(NORMAL_S * 4)
     assert done, f"a store open with a planted {plant} did not finish in {NORMAL_S * 4} s"
     assert time.monotonic() - t0 < NORMAL_S * 4
-    gen, hit = done[0]
+    epoch, hit = done[0]
     if plant != "folder":  # a folder cannot be replaced by a file: that namespace stays private
-        assert gen != old and hit == 0
+        assert epoch != old and hit == 0
     assert target.read_text() == f"{old}\n" and target.stat().st_mtime_ns == before.st_mtime_ns
 
 

@@ -36,12 +36,12 @@ def loaded(tmp_path, tokens):
     return hit, out, started
 
 
-def test_a_generation_retired_before_the_lookup_makes_the_load_stale(tmp_path):
+def test_an_epoch_retired_before_the_lookup_makes_the_load_stale(tmp_path):
     tokens = np.arange(10, dtype=np.uint32)  # two full blocks and a tail of two tokens
     hit, out, started = loaded(tmp_path, tokens)
     oracle = RetiredLog(tmp_path / "retired.log")
     assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 0, [])
-    oracle.retire([hit.epoch + 1], started - 10, "invalidate")  # another generation: not this load's
+    oracle.retire([hit.epoch + 1], started - 10, "invalidate")  # another epoch: not this load's
     assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 0, [])
     oracle.retire([hit.epoch], started + 10, "invalidate")  # retired after the lookup began: allowed
     assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 0, [])
@@ -106,7 +106,7 @@ def torture(tmp_path, seconds: int, seed: int) -> dict:
     if server:  # the proxy went through every mode, and the oracle's grace is the promised bound
         assert all(summary["net_faults_s"][mode] > 0 for mode in ("pass", "slow", "hang", "refuse")), detail
         assert summary["grace_ms"] == 250.0, detail
-        assert summary["unconfirmed_generation_misses"] > 0, detail
+        assert summary["unconfirmed_epoch_misses"] > 0, detail
     return summary
 
 

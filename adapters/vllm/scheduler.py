@@ -345,7 +345,7 @@ class SchedulerSide:
 
     # -- control and stats
     def reset_cache(self) -> bool:
-        """False when the new generation could not be written to the shared tier (the store has
+        """False when the new epoch could not be written to the shared tier (the store has
         logged and counted it; this instance serves nothing of the namespace until it is)."""
         return self.store.invalidate(self.ns.seed) is not None  # the store logs it either way
 

@@ -3,7 +3,7 @@
 SafeLoader that stops at ``MAX_DEPTH`` levels and ``MAX_VALUES`` values), the engines' dotted
 overrides (``expand_dotted``, ``merge``), and the messages about them (``shown``, ``human``,
 ``invalid``, ``explain``: keys and values cut to about ``SHOWN_CHARS``, at most ``MAX_ERRORS``
-errors).
+errors, a key of ``RENAMED`` given its new name).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ SHOWN_CHARS = 80
 """A key or value quoted in a message is cut to about this many characters."""
 MAX_ERRORS = 20
 """Validation errors listed in one message; the rest are counted."""
+RENAMED = {
+    "remote.allow_stale_generation": "remote.allow_stale_epoch",
+}
+"""Old key path -> new one: a config that still uses the old name is told the new one."""
 
 
 class _Refused(yaml.YAMLError):
@@ -214,7 +218,8 @@ def explain(source: str, err: ValidationError) -> str:
         where = ".".join(p if isinstance(p, str) and len(p) <= SHOWN_CHARS else shown(p)
                          for p in e["loc"]) or "<top level>"
         if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: {where}: unknown key")
+            renamed = RENAMED.get(where)
+            lines.append(f"{source}: {where}: " + (f"renamed to {renamed}" if renamed else "unknown key"))
         else:
             msg = e["msg"].removeprefix("Value error, ")[:SHOWN_CHARS * 3]
             lines.append(f"{source}: {where}: {msg} (got {shown(e['input'])})")

@@ -124,18 +124,18 @@ class RemoteConfig(_Model):
     invalidation_ms: int = Field(50, gt=0)
     """How often a missed epoch notification is caught up by polling."""
     confirm_margin_ms: int = Field(200, gt=0)
-    """A lookup uses a generation only if the shared tier confirmed it at most ``invalidation_ms +
+    """A lookup uses an epoch only if the shared tier confirmed it at most ``invalidation_ms +
     confirm_margin_ms`` before (``staleness_bound_s``); past that, while the tier does not answer,
     lookups miss. The margin lets a slow or failed poll or two go by without costing hits."""
-    allow_stale_generation: bool = False
-    """The lenient policy: keep using the last generation read, however old, while the shared tier
+    allow_stale_epoch: bool = False
+    """The lenient policy: keep using the last epoch read, however old, while the shared tier
     is unreachable. It risks serving blocks another instance invalidated meanwhile (a weight
     update, a reset) for as long as the outage lasts."""
     breaker: BreakerConfig = BreakerConfig()
 
     @property
     def staleness_bound_s(self) -> float:
-        """How long after its last confirmation a generation is still used by lookups."""
+        """How long after its last confirmation an epoch is still used by lookups."""
         return (self.invalidation_ms + self.confirm_margin_ms) / 1000
 
     @field_validator("url")

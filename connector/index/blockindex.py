@@ -289,7 +289,7 @@ class BlockIndex(Table):
         return Census(per_epoch, per_tier, sorted({seed for seed, _ in per_epoch}))
 
     def stale_rows(self, ns_seed: bytes, epoch: int) -> list[int]:
-        """Unpinned rows of ``ns_seed`` from generations other than ``epoch`` (for GC)."""
+        """Unpinned rows of ``ns_seed`` from epochs other than ``epoch`` (for GC)."""
         with self._lock:
             self._expire_leases()
             ns = self._ns_ids.get(ns_seed)

@@ -63,7 +63,7 @@ class Table:
             "fp": np.zeros(capacity, np.uint64),
             "checksum": np.zeros(capacity, np.uint64),
             "last": np.zeros(capacity, np.uint64),
-            "epoch": np.zeros(capacity, np.uint64),  # the namespace generation (random u64)
+            "epoch": np.zeros(capacity, np.uint64),  # the namespace epoch (random u64)
             "size": np.zeros(capacity, np.uint32),
             "ntok": np.zeros(capacity, np.uint32),
             "ns": np.zeros(capacity, np.uint16),

@@ -146,7 +146,7 @@ class BlockStore:
         return rooted_digests(root_key(ns.seed, epoch), digests, ns.block_size)
 
     def current_epoch(self, ns: Namespace) -> int:
-        """The generation saves of ``ns`` go under (a lookup checks that it is confirmed)."""
+        """The epoch saves of ``ns`` go under (a lookup checks that it is confirmed)."""
         return self._parts.epochs.get(ns.seed)
 
     # ---------------------------------------------------------------- lookup
@@ -302,18 +302,18 @@ class BlockStore:
         """Bump the namespace epoch: from now on no older entry is served. Returns the new epoch,
         or None when it could not be written where the other instances read it (the shared tier
         is unreachable): counted (``invalidation_failures``) and logged. This instance then serves
-        nothing of the namespace until the new generation is written (retried at every use);
+        nothing of the namespace until the new epoch is written (retried at every use);
         the other instances go on with the old one until then."""
         epoch = self._parts.epochs.bump(ns_seed)
         if epoch is None:
             self._parts.counters.inc("invalidation_failures")
-            log.error("kvstrata: namespace %s could not be invalidated: the new generation was not written where "
+            log.error("kvstrata: namespace %s could not be invalidated: the new epoch was not written where "
                       "the other instances read it (the shared tier, or the epochs folder); this instance serves "
                       "none of its blocks until it is (retried at every lookup), the others keep serving the old "
-                      "generation until then", ns_seed[:8].hex())
+                      "epoch until then", ns_seed[:8].hex())
             return None
         self._parts.counters.inc("invalidations")
-        log.info("kvstrata: namespace %s is now at generation %016x", ns_seed[:8].hex(), epoch)
+        log.info("kvstrata: namespace %s is now at epoch %016x", ns_seed[:8].hex(), epoch)
         self.gc(only=[ns_seed])
         return epoch
 
@@ -351,7 +351,7 @@ class BlockStore:
         return report.resident(self._parts)
 
     def stats(self) -> dict[str, object]:
-        """Tiers, blocks and bytes per namespace and generation, current generations, descriptors
+        """Tiers, blocks and bytes per namespace and epoch, current epochs, descriptors
         and counters (``kvstrata stats``)."""
         return report.stats(self._parts)
 

@@ -194,8 +194,8 @@ class Evictor:
         p = self.p
         removed = Counter[str]()
         for seed in only or self.namespaces():
-            current, confirmed = p.epochs.lookup_generation(seed, time.monotonic())
-            if not confirmed:  # the shared tier does not answer: which generation is current is not known
+            current, confirmed = p.epochs.lookup_epoch(seed, time.monotonic())
+            if not confirmed:  # the shared tier does not answer: which epoch is current is not known
                 continue
             rows = p.index.stale_rows(seed, current)
             bits = p.index.tiers_of(np.array(rows, dtype=np.int64)).tolist() if rows else []

@@ -2,9 +2,9 @@
 
 Index only: backing tiers are asked for 128-byte headers of blocks another process stored (they
 are adopted into the index), never for payloads. A prompt's hit may end in a stored partial block
-(a tail). A lookup uses the namespace's generation only if the epoch store vouches for it
-(``EpochStore.lookup_generation``: confirmed by the shared tier within its bound); otherwise it is
-a miss, counted as ``unconfirmed_generation_misses``.
+(a tail). A lookup uses the namespace's epoch only if the epoch store vouches for it
+(``EpochStore.lookup_epoch``: confirmed by the shared tier within its bound); otherwise it is
+a miss, counted as ``unconfirmed_epoch_misses``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ class Lookup:
 
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,
                *, pin: bool = False) -> Hit:
-        since = time.monotonic()  # before anything else: the generation must be confirmed since then
+        since = time.monotonic()  # before anything else: the epoch must be confirmed since then
         tokens = as_tokens(tokens)
-        epoch, confirmed = self.p.epochs.lookup_generation(ns.seed, since)
+        epoch, confirmed = self.p.epochs.lookup_epoch(ns.seed, since)
         if not confirmed:
             return self._unconfirmed(ns)
         chain = chain_keys(root_key(ns.seed, epoch), tokens, ns.block_size, extra)
@@ -63,19 +63,19 @@ class Lookup:
     def lookup_chain(self, ns: Namespace, epoch: int, chain: BlockChain, *, pin: bool = False) -> Hit:
         """Like ``lookup`` for a chain built by the caller (``keys.chain_digests``): the longest
         valid stored prefix of ``chain``, from the index and tier headers only. A miss unless
-        ``epoch`` is the namespace's generation, confirmed now."""
-        current, confirmed = self.p.epochs.lookup_generation(ns.seed, time.monotonic())
+        ``epoch`` is the namespace's epoch, confirmed now."""
+        current, confirmed = self.p.epochs.lookup_epoch(ns.seed, time.monotonic())
         if not confirmed:
             return self._unconfirmed(ns)
         n = self._match(ns.seed, epoch, chain, 0) if current == epoch else 0  # replaced since the chain was built
         return self._hit(ns, epoch, chain_slice(chain, 0, n), pin)
 
     def _unconfirmed(self, ns: Namespace) -> Hit:
-        """A miss of no generation (``epoch`` 0): the shared tier has not confirmed the
-        namespace's generation recently enough (or a reset of it is not written yet), so nothing
+        """A miss of no epoch (``epoch`` 0): the shared tier has not confirmed the
+        namespace's epoch recently enough (or a reset of it is not written yet), so nothing
         of it may be served."""
         self.p.counters.inc("lookups")
-        self.p.counters.inc("unconfirmed_generation_misses")
+        self.p.counters.inc("unconfirmed_epoch_misses")
         return Hit(ns, 0, BlockChain([], [], [], []), [], None)
 
     def _hit(self, ns: Namespace, epoch: int, chain: BlockChain, pin: bool) -> Hit:

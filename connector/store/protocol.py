@@ -33,7 +33,7 @@ class Hit(NamedTuple):
     """A validated stored prefix. ``chain`` lists the blocks to load, in order."""
 
     ns: Namespace
-    epoch: int  # the generation of the blocks; 0 (no generation) for a miss the epoch store could not vouch for
+    epoch: int  # the epoch of the blocks; 0 (no epoch) for a miss the epoch store could not vouch for
     chain: BlockChain
     tiers: list[int]  # tier bit set per block, at lookup time
     lease: int | None  # the pin of a pinned lookup, given back by ``complete_load``
@@ -104,7 +104,7 @@ class Arena:
 class StoreProtocol(Protocol):
     """What engine glue may ask of a store. Grouped as they are used:
 
-    - keys: ``chain`` (a prompt's chained block keys under the current generation),
+    - keys: ``chain`` (a prompt's chained block keys under the current epoch),
       ``tail_block``, ``page_chain`` (pages keyed by the engine's own chained digests),
       ``current_epoch``;
     - lookups: ``lookup`` / ``lookup_chain`` (the longest valid stored prefix as a ``Hit``; with

@@ -3,7 +3,7 @@
 ``memory`` is L1 (slots in one CPU arena, ``arena``), ``disk`` is L2 (one file per block in a
 folder, ``folder`` and ``scan``), and the shared L3 is ``sharedfs`` (a shared folder) or ``redis``.
 ``REMOTE_BACKENDS`` maps ``remote.backend`` to a factory returning the shared tier and the epoch
-store it carries (``floor``: a local folder where that store keeps the generations it saw
+store it carries (``floor``: a local folder where that store keeps the epochs it saw
 replaced, or None)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _redis(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[B
 def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[BlockTier, EpochStore]:
     tier = SharedFsTier(counters, cfg)
     # The group shares the epochs too; every host reads them, so they are confirmed like Redis's.
-    bound = None if cfg.allow_stale_generation else cfg.staleness_bound_s
+    bound = None if cfg.allow_stale_epoch else cfg.staleness_bound_s
     return tier, FileEpochs(tier.root / "epochs", tier.modes(), shared=True,
                             refresh_s=cfg.invalidation_ms / 1000, bound_s=bound)
 

@@ -1,4 +1,4 @@
-"""tiers/file_epochs.py: ``FileEpochs``, namespace generations (see ``epochs``) in a folder every
+"""tiers/file_epochs.py: ``FileEpochs``, namespace epochs (see ``epochs``) in a folder every
 process that shares it reads and writes: L2's ``epochs/`` (the processes of one host) or the
 shared folder's (``remote.backend: fs``, every host that mounts it).
 """
@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 from typing import Callable
 
-from ..epochs import (Retired, new_generation, parse_generation, read_descriptor, read_head,
+from ..epochs import (Retired, new_epoch, parse_epoch, read_descriptor, read_head,
                       temp_name, write_atomic, write_descriptor, write_new)
 from ..polled_epochs import PolledEpochs, T
 from .folder import make_folder
@@ -20,26 +20,26 @@ log = logging.getLogger(__name__)
 
 
 class FileEpochs(PolledEpochs):
-    """``<root>/<seed hex>``: the generation as decimal text.
+    """``<root>/<seed hex>``: the epoch as decimal text.
 
     A missing file is created with ``link()`` of a complete temp file, which fails if another
     process created it first (no locks: NFS has none), so concurrent creators agree. Two
     concurrent bumps both replace the file; the last one wins, and both hide every older entry,
-    which is all a bump has to do. A file that does not hold a valid generation, or holds a
-    retired one, is lost state and is replaced by a fresh generation.
+    which is all a bump has to do. A file that does not hold a valid epoch, or holds a
+    retired one, is lost state and is replaced by a fresh epoch.
 
     Two ways to read it (``shared``):
 
     - local (L2's folder, one host): at every use, re-read only when ``stat()`` changes. A lookup
-      uses the generation it has just read, so a bump by any process of the host is seen at once.
+      uses the epoch it has just read, so a bump by any process of the host is seen at once.
     - shared (a network filesystem): every ``refresh_s`` at most, by ``open()`` and ``read()``,
       never by a cached ``stat()``: NFS caches attributes for up to a minute, while an ``open()``
-      revalidates them (close-to-open consistency). A lookup uses a generation read at most
+      revalidates them (close-to-open consistency). A lookup uses an epoch read at most
       ``bound_s`` before it started (see ``PolledEpochs``).
 
     A file that cannot be read or written (a planted folder, a read-only, full or unmounted disk)
-    is a failure: lookups miss once the last confirmation is too old, and saves go under a
-    generation nobody else uses until the file can be read again.
+    is a failure: lookups miss once the last confirmation is too old, and saves go under an
+    epoch nobody else uses until the file can be read again.
     """
 
     def __init__(self, root: Path, modes: tuple[int, int] = (0o700, 0o600), *, shared: bool = False,
@@ -80,7 +80,7 @@ class FileEpochs(PolledEpochs):
                 self._create(path)
                 continue
             if not stat.S_ISREG(st.st_mode):  # a planted link, FIFO or folder is lost state
-                log.warning("kvstrata epochs: %s is not a regular file; starting a new generation", path)
+                log.warning("kvstrata epochs: %s is not a regular file; starting a new epoch", path)
                 self._replace(ns_seed, None)
                 continue
             stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
@@ -91,20 +91,20 @@ class FileEpochs(PolledEpochs):
                 raw = read_head(path, 64)
             except FileNotFoundError:
                 continue
-            gen = parse_generation(raw)
-            if gen is None or (ns_seed, gen) in self.retired:
-                what = "a retired generation" if gen is not None else f"no valid generation ({raw[:32]!r})"
-                log.warning("kvstrata epochs: %s holds %s; starting a new generation "
+            epoch = parse_epoch(raw)
+            if epoch is None or (ns_seed, epoch) in self.retired:
+                what = "a retired epoch" if epoch is not None else f"no valid epoch ({raw[:32]!r})"
+                log.warning("kvstrata epochs: %s holds %s; starting a new epoch "
                             "(older blocks of this namespace become misses)", path, what)
-                self._replace(ns_seed, gen)
+                self._replace(ns_seed, epoch)
                 continue
-            self._cache[ns_seed] = (stamp, gen)
-            return gen
-        raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable generation")
+            self._cache[ns_seed] = (stamp, epoch)
+            return epoch
+        raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable epoch")
 
     def _create(self, path: Path) -> None:
         tmp = temp_name(path, "new")
-        write_new(tmp, f"{new_generation()}\n", self._file_mode)
+        write_new(tmp, f"{new_epoch()}\n", self._file_mode)
         try:
             os.link(tmp, path)  # atomic create-if-absent: the first creator wins
         except FileExistsError:
@@ -115,10 +115,10 @@ class FileEpochs(PolledEpochs):
     def _replace(self, ns_seed: bytes, old: int | None) -> None:
         if old is not None:
             self.retired.add(ns_seed, old)
-        self._write(ns_seed, new_generation())
+        self._write(ns_seed, new_epoch())
 
-    def _write(self, ns_seed: bytes, gen: int) -> None:
-        write_atomic(self._path(ns_seed), f"{gen}\n", self._file_mode)
+    def _write(self, ns_seed: bytes, epoch: int) -> None:
+        write_atomic(self._path(ns_seed), f"{epoch}\n", self._file_mode)
 
     def describe(self, ns_seed: bytes, blob: bytes) -> None:
         try:

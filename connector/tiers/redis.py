@@ -7,7 +7,7 @@ slot and a node):
     P:{<key hex>}:p      128-byte header (blockfmt) + payload, binary; never pickled
     P:{<key hex>}:i      the committed index entry: the same header alone
     P:{<parent hex>}:t   set of token counts of partial blocks stored after that parent
-    P:epoch:<ns hex>     namespace generation (random u64, see ``epochs``), announced on ``P:epochs``
+    P:epoch:<ns hex>     namespace epoch (random u64, see ``epochs``), announced on ``P:epochs``
 
 Publication writes the payload, then the index entry, in that order on one connection to the
 slot's node (a hash tag puts both in one slot), so Redis applies them in order: the index entry's
@@ -22,7 +22,7 @@ names. Every value is checked before it is used, and a bad one is a miss (the en
 counted by kind and logged (at most once a minute per kind, values cut to 80 characters):
 
     remote_bad_headers   not a kvstrata header (garbage, truncated header, header checksum)
-    remote_wrong_key     a valid header of another block (key, parent, namespace, generation)
+    remote_wrong_key     a valid header of another block (key, parent, namespace, epoch)
     remote_wrong_size    header size not the destination's, or payload length not the header's
     remote_wrong_type    the key holds a hash, list, ... instead of a string
     remote_bad_tails     a member of a tail set that is not a token count

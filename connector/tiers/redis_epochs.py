@@ -1,4 +1,4 @@
-"""tiers/redis_epochs.py: ``RedisEpochs``, the namespace generations (``epochs``) of the Redis
+"""tiers/redis_epochs.py: ``RedisEpochs``, the namespace epochs (``epochs``) of the Redis
 tier: one key per namespace, ``P:epoch:<ns hex>``, and bumps announced on ``P:epochs`` (``P`` is
 ``remote.key_prefix``). Beside each, ``P:ns:<ns hex>`` holds the namespace's descriptor (see
 ``describe``), so that ``kvstrata stats`` on any host names the model.
@@ -13,43 +13,43 @@ from typing import Callable
 
 from ..config import RemoteConfig
 from ..describe import MAX_BYTES as _MAX_DESCRIPTOR
-from ..epochs import Retired, new_generation, parse_generation, read_descriptor, write_descriptor
+from ..epochs import Retired, new_epoch, parse_epoch, read_descriptor, write_descriptor
 from ..polled_epochs import PolledEpochs, T
 from .redis import RedisTier
 from .redis_client import connect, is_wrong_type, service_errors, shown
 
 log = logging.getLogger(__name__)
 
-_EPOCH_BYTES = 64  # a generation is at most 20 digits; read no more than this of an epoch value
+_EPOCH_BYTES = 64  # an epoch is at most 20 digits; read no more than this of an epoch value
 
 
 class RedisEpochs(PolledEpochs):
-    """Namespace generations in Redis (see ``epochs``): ``SET NX`` creates, ``SET`` bumps, and a
+    """Namespace epochs in Redis (see ``epochs``): ``SET NX`` creates, ``SET`` bumps, and a
     PUBLISH tells every instance to re-read at once.
 
-    The value is the generation as decimal text. A missing key (evicted, lost in a restart,
-    flushed) is lost state: the first reader creates a fresh generation with ``SET NX`` and every
+    The value is the epoch as decimal text. A missing key (evicted, lost in a restart,
+    flushed) is lost state: the first reader creates a fresh epoch with ``SET NX`` and every
     instance reads the winner, so older blocks become misses, never valid again. A value that is
-    not a generation (garbage, out of range, over 64 bytes: only its first 64 are ever read), a key
-    of another type, or a generation this instance (or its disk, the local floor) has seen replaced
-    is replaced by a fresh generation with a compare-and-set, and counted (``remote_bad_epochs``,
+    not an epoch (garbage, out of range, over 64 bytes: only its first 64 are ever read), a key
+    of another type, or an epoch this instance (or its disk, the local floor) has seen replaced
+    is replaced by a fresh epoch with a compare-and-set, and counted (``remote_bad_epochs``,
     ``remote_wrong_type``, ``remote_epoch_rollbacks``). A value that changes under every repair
-    gives no generation (``remote_unstable_epochs``): a failed read. Announcements carry only the
+    gives no epoch (``remote_unstable_epochs``): a failed read. Announcements carry only the
     namespace: they make the next use re-read Redis, so a forged or delayed message can cost a
-    round trip but never set a generation (``remote_bad_messages`` counts those that name no
+    round trip but never set an epoch (``remote_bad_messages`` counts those that name no
     namespace). A namespace is also re-read at its first use after ``invalidation_ms``, which
     covers a missed message.
 
-    Lookups use a generation only within ``invalidation_ms + confirm_margin_ms`` of the read that
+    Lookups use an epoch only within ``invalidation_ms + confirm_margin_ms`` of the read that
     confirmed it (``PolledEpochs``): while Redis is unreachable, slow or hung, lookups miss once that
-    bound has passed (counted by the store as ``unconfirmed_generation_misses``), and hits resume
+    bound has passed (counted by the store as ``unconfirmed_epoch_misses``), and hits resume
     with the first read that succeeds (the breaker lets one through every ``breaker.reset_ms``,
-    doubling). ``allow_stale_generation`` restores the lenient policy. A namespace never read gets a
-    process-local generation (misses, and saves nobody else can see).
+    doubling). ``allow_stale_epoch`` restores the lenient policy. A namespace never read gets a
+    process-local epoch (misses, and saves nobody else can see).
     """
 
     # Replace the value only if it still begins with what we read: two instances that both found
-    # it bad agree on one new generation.
+    # it bad agree on one new epoch.
     _CAS = ("if redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1) == ARGV[1] then "
             "return redis.call('SET', KEYS[1], ARGV[2]) end return 0")
     # Replace a key of another type only if it still has that type (SET replaces any type).
@@ -58,7 +58,7 @@ class RedisEpochs(PolledEpochs):
 
     def __init__(self, tier: RedisTier, cfg: RemoteConfig, floor: Path | None = None) -> None:
         refresh_s = cfg.invalidation_ms / 1000
-        super().__init__(Retired(floor), refresh_s, None if cfg.allow_stale_generation else cfg.staleness_bound_s)
+        super().__init__(Retired(floor), refresh_s, None if cfg.allow_stale_epoch else cfg.staleness_bound_s)
         self._tier, self._cfg = tier, cfg
         self._floor = floor
         self._channel = f"{cfg.key_prefix}:epochs"
@@ -73,7 +73,7 @@ class RedisEpochs(PolledEpochs):
         return self._tier.breaker.call(fn, default)
 
     def _read(self, ns_seed: bytes) -> int | None:
-        """The current generation in Redis, creating or repairing it when needed; None if the
+        """The current epoch in Redis, creating or repairing it when needed; None if the
         value changed under every repair."""
         client, key, reject = self._tier.client, self._key(ns_seed), self._tier.reject
         created = False
@@ -84,38 +84,38 @@ class RedisEpochs(PolledEpochs):
                 if not is_wrong_type(e):
                     raise
                 kind = client.type(key)
-                reject("remote_wrong_type", "%s is a %s, not a generation; starting a new one", key, shown(kind))
-                client.eval(self._RETYPE, 1, key, kind, str(new_generation()))
+                reject("remote_wrong_type", "%s is a %s, not an epoch; starting a new one", key, shown(kind))
+                client.eval(self._RETYPE, 1, key, kind, str(new_epoch()))
                 continue
             if raw == b"" and not created:  # missing (or empty): create one, first creator wins
                 created = True
-                client.set(key, str(new_generation()), nx=True)
+                client.set(key, str(new_epoch()), nx=True)
                 continue
-            gen = parse_generation(raw)
-            if gen is not None and (ns_seed, gen) not in self.retired:
-                return gen
-            if gen is None:
-                reject("remote_bad_epochs", "%s holds %s, not a generation; starting a new one", key, shown(raw))
+            epoch = parse_epoch(raw)
+            if epoch is not None and (ns_seed, epoch) not in self.retired:
+                return epoch
+            if epoch is None:
+                reject("remote_bad_epochs", "%s holds %s, not an epoch; starting a new one", key, shown(raw))
             else:
-                reject("remote_epoch_rollbacks", "%s went back to generation %d, which was replaced earlier "
-                       "(restored snapshot?); starting a new one", key, gen)
+                reject("remote_epoch_rollbacks", "%s went back to epoch %d, which was replaced earlier "
+                       "(restored snapshot?); starting a new one", key, epoch)
             try:
-                client.eval(self._CAS, 1, key, raw, str(new_generation()), _EPOCH_BYTES)
+                client.eval(self._CAS, 1, key, raw, str(new_epoch()), _EPOCH_BYTES)
             except Exception as e:  # it changed type meanwhile: read it again
                 if not is_wrong_type(e) and "WRONGTYPE" not in str(e):
                     raise
-        reject("remote_unstable_epochs", "%s changed under every repair; no generation confirmed", key)
+        reject("remote_unstable_epochs", "%s changed under every repair; no epoch confirmed", key)
         return None
 
-    def _write(self, ns_seed: bytes, gen: int) -> None:
-        self._tier.client.set(self._key(ns_seed), str(gen))
+    def _write(self, ns_seed: bytes, epoch: int) -> None:
+        self._tier.client.set(self._key(ns_seed), str(epoch))
 
     def _announce(self, ns_seed: bytes) -> None:
         try:
             self._tier.client.publish(self._channel, ns_seed.hex())
         except service_errors() as e:  # the I/O edge: others catch up within invalidation_ms
             log.warning("kvstrata remote: epoch announcement failed (%s); other instances see the "
-                        "new generation within remote.invalidation_ms", e)
+                        "new epoch within remote.invalidation_ms", e)
 
     def describe(self, ns_seed: bytes, blob: bytes) -> None:
         """In Redis, for every host, and in the local floor, for this one when Redis is away."""

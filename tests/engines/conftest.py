@@ -14,7 +14,7 @@ unit layer alone. This file owns what those tests share:
           server = vllm_server(config_yaml, env={"KEY": "value"}, extra=["--max-num-seqs", "4"])
           done = server.complete(prompt_ids, max_tokens=8, salt="t1")  # .tokens, .cached_tokens
           server.reset_prefix_cache()                # vLLM's own cache
-          server.reset_prefix_cache(connector=True)  # and kvstrata's (a new generation)
+          server.reset_prefix_cache(connector=True)  # and kvstrata's (a new epoch)
           server.metrics(); server.url; server.tail()
           server.stop()                              # else stopped when the test ends
 
@@ -398,7 +398,7 @@ class VllmServer(serving.Server):
         return serving.complete(self, self.model, prompt, max_tokens=max_tokens, cache_salt=salt)
 
     def reset_prefix_cache(self, connector: bool = False) -> None:
-        """vLLM's own prefix cache; with ``connector``, kvstrata's too (a new generation)."""
+        """vLLM's own prefix cache; with ``connector``, kvstrata's too (a new epoch)."""
         self.post("/reset_prefix_cache" + ("?reset_external=true" if connector else ""))
 
 

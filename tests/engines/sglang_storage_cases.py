@@ -292,7 +292,7 @@ def test_storage_direct_and_l1_paths_write_identical_files_each_reads_the_others
 
     pool = _host_pool(layout)
     direct = make_storage(tmp_path / "a", layout, pool=pool, l1=SMALL_L1)
-    # Generations are random per epochs folder: give b a's, so both write the same keys.
+    # Epochs are random per epochs folder: give b a's, so both write the same keys.
     direct.store.current_epoch(direct.ns)
     epoch_file = Path("l2", "epochs", direct.ns.seed.hex())
     (tmp_path / "b" / epoch_file).parent.mkdir(parents=True)

@@ -207,8 +207,8 @@ def test_stats_names_the_model_the_sglang_server_stored(served):
     (ns_id, described), = data["descriptors"].items()
     assert described["engine"] == "sglang" and described["block_size"] == PAGE
     assert served["model"] in described["model"]
-    gen_id = data["current_epochs"][ns_id]
-    assert data["namespaces"][ns_id][gen_id]["blocks"] == served["files"]
+    epoch_id = data["current_epochs"][ns_id]
+    assert data["namespaces"][ns_id][epoch_id]["blocks"] == served["files"]
 
 
 # Two backends with metrics on (TP ranks 0 and 1) and one with metrics off, in one process over

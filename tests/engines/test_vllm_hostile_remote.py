@@ -63,7 +63,7 @@ def block_value(client: redis.Redis, case: str, name: str, other: str) -> None:
 
 def epoch_value(client: redis.Redis, case: str, key: str, seed_hex: str) -> None:
     if case == "junk":
-        client.set(key, b"not a generation \xff")
+        client.set(key, b"not an epoch \xff")
     elif case == "2^64":
         client.set(key, str(1 << 64))
     elif case == "negative":
@@ -72,7 +72,7 @@ def epoch_value(client: redis.Redis, case: str, key: str, seed_hex: str) -> None
         client.set(key, b"9" * (1 << 20))
     elif case == "hash":
         client.delete(key)
-        client.hset(key, "generation", "1")
+        client.hset(key, "epoch", "1")
     elif case == "messages":  # the channel: only a namespace makes an instance re-read
         for message in (str(1 << 64), "zz:1", b"\xff" * 40, b"7" * (1 << 20), f"{seed_hex}:{1 << 64}"):
             client.publish("kvstrata:epochs", message)
@@ -113,7 +113,7 @@ def test_engine_serves_every_request_right_while_redis_holds_hostile_values(mode
     assert all(r["tokens"] == baseline(LONG) for r in generated), "an answer differs from vLLM alone"
     for case, got in zip(BLOCK_CASES, block_cases):  # blocks before the bad one came from Redis, no more
         assert got["cached"] == BAD_BLOCK * BS, case
-    for case, got in zip(EPOCH_CASES, epoch_cases):  # a fresh generation each time: nothing old is served
+    for case, got in zip(EPOCH_CASES, epoch_cases):  # a fresh epoch each time: nothing old is served
         assert got["cached"] == 0, case
     assert last["cached"] == len(LONG) - 1  # and the shared tier still works after all that
     assert counters.get("remote_wrong_size") == 2  # truncated, and a header saying another size

@@ -243,7 +243,7 @@ def test_kvstrata_start_up_lines_are_in_the_engines_log_in_its_format(first_serv
     lines = [line for line in log.splitlines() if "kvstrata: namespace" in line and " INFO " in line]
     assert lines, log[-3000:]
     assert "(EngineCore" in lines[0] and "pid=" in lines[0], lines[0]  # vLLM's format: process and pid
-    assert sum("is now at generation" in line for line in log.splitlines()) == 1, log[-3000:]  # the reset, once
+    assert sum("is now at epoch" in line for line in log.splitlines()) == 1, log[-3000:]  # the reset, once
 
 
 def test_every_metric_of_the_grafana_dashboard_is_in_a_real_scrape(served):

@@ -35,18 +35,18 @@ def epoch_key(client: redis.Redis) -> bytes:
     return keys[0]
 
 
-def test_vllm_behind_a_faulty_redis_serves_no_retired_generation_and_recovers(vllm_server, baseline, tmp_path):
+def test_vllm_behind_a_faulty_redis_serves_no_retired_epoch_and_recovers(vllm_server, baseline, tmp_path):
     """Scenario, one server A reaching Redis through the proxy:
 
     1. A serves the prompt, then again from kvstrata (vLLM's own cache reset): equal outputs.
     2. The proxy hangs; an operator's ``kvstrata invalidate --model`` (another instance of the
-       store, straight to Redis) makes a new generation. Past the bound A loads nothing of the
+       store, straight to Redis) makes a new epoch. Past the bound A loads nothing of the
        prompt from its own L1 and disk, which still hold it, and its outputs stay equal.
-    3. The proxy forwards again: A learns the new generation (the old blocks stay misses), stores
+    3. The proxy forwards again: A learns the new epoch (the old blocks stay misses), stores
        the prompt under it and serves it from kvstrata again.
     4. The proxy refuses; A's own reset (``/reset_prefix_cache?reset_external=true``) answers
        ``success: false``, and A serves nothing of the namespace. When Redis answers again the new
-       generation is written to Redis (without any request), and hits resume.
+       epoch is written to Redis (without any request), and hits resume.
     """
     want = baseline(LONG)
     with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs), FaultyProxy(url) as proxy:
@@ -75,12 +75,12 @@ def test_vllm_behind_a_faulty_redis_serves_no_retired_generation_and_recovers(vl
         direct = config(tmp_path / "operator.yaml", tmp_path / "operator-l2", url)
         res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "invalidate", "--model", a.model,
                               "--config", str(direct)], capture_output=True, text=True, timeout=120)
-        assert res.returncode == 0 and "new generation" in res.stdout, res.stdout + res.stderr
+        assert res.returncode == 0 and "new epoch" in res.stdout, res.stdout + res.stderr
         new = client.get(epoch_key(client))
         assert new != old
         time.sleep(BOUND_S)
         for _ in range(3):
-            assert serve() == 0, "a generation retired elsewhere was served while Redis hung"
+            assert serve() == 0, "an epoch retired elsewhere was served while Redis hung"
 
         proxy.set_mode("pass")  # 3
         assert hits_again() >= 0.9 * len(LONG)

@@ -17,32 +17,32 @@ every few seconds and starts a new one on the same folder (the recovery path).
 How it checks, trusting nothing the store says:
 
 - ``wrong``: every payload is derived from its block key (the key tiled, XOR a ramp). After a
-  load, the keys the hit must have are recomputed from the prompt's tokens, the hit's generation
+  load, the keys the hit must have are recomputed from the prompt's tokens, the hit's epoch
   and block lengths (``keys.chain_keys``/``block_key``, not read from the hit), and the loaded
   blocks are compared with those keys' payloads in one numpy compare. Any difference counts,
   including a block the store reports loaded but never wrote (buffers start as a sentinel).
 - ``stale``: an append-only log (``retired.log``) outside the store records retired
-  generations. An invalidation appends the generation seen as current just before it, with the
-  time ``invalidate`` returned; an epoch-state loss appends the generations current before the
-  deletion, with the time it finished. A loaded block is stale when its hit's generation had
+  epochs. An invalidation appends the epoch seen as current just before it, with the
+  time ``invalidate`` returned; an epoch-state loss appends the epochs current before the
+  deletion, with the time it finished. A loaded block is stale when its hit's epoch had
   been retired before the lookup started (plus ``remote.invalidation_ms`` and a scheduling
   slack with Redis: other instances learn of a bump within that bound; none without, since the
   epoch files are read on every lookup). Times are CLOCK_MONOTONIC, one clock for all
   processes of a host. Recording completion and comparing with the lookup's start is what keeps
   concurrent bumps from producing false positives: a lookup that began before a bump finished
-  may use the old generation; one that began after may not.
+  may use the old epoch; one that began after may not.
 - ``lost_tails``: a tail probe stores ``P + B`` (B a partial block), pins it by a lookup, stores
   ``P + A`` (A another tail of B's length under the same parent), churns twice the process's L2
   capacity through its tiers so that A is evicted everywhere, then looks up a longer request
   ``P + B + x`` (B can only be found as a stored tail). B is pinned, so nothing may evict it: if
-  that lookup ran on the same generation and did not return B, a committed tail was lost.
+  that lookup ran on the same epoch and did not return B, a committed tail was lost.
 - ``errors``: exceptions raised by the store (tracebacks in ``<dir>/run/worker-*.log``).
 
 The run exits 1 if a block was wrong or stale or a pinned tail was lost. ``RetiredLog`` and
 ``check_load`` are the oracle; tests use them directly.
 
 The package: ``world`` (the tiny store, namespaces, rates, prompt universe), ``oracle`` (payloads,
-expected keys, the retired-generation log), ``actor`` (one thread's saves, loads and chaos),
+expected keys, the retired-epoch log), ``actor`` (one thread's saves, loads and chaos),
 ``worker`` (a worker process), ``fleet`` (the parent's processes and the summary); here, the run
 and its flags.
 """
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     base = dict(run=str(run_dir), l2=str(root / "l2"), seed=args.seed, procs=args.procs, threads=args.threads,
                 redis=args.redis, redis_direct=args.redis, prefix=prefix, invalidation_ms=invalidation_ms,
                 parent=os.getpid())
-    # The grace is the bound the README promises: a generation is used at most
+    # The grace is the bound the README promises: an epoch is used at most
     # invalidation_ms + confirm_margin_ms after the shared tier last confirmed it (none without it:
     # the epoch files are read at every lookup).
     grace_ms = args.grace_ms if args.grace_ms is not None else (
@@ -225,7 +225,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-every", type=float, default=6.0,
                    help="SIGKILL a random worker about this often, in seconds, and start a new one (0: never)")
     p.add_argument("--grace-ms", type=float, default=None,
-                   help="how long after a retirement a load of the old generation is still allowed "
+                   help="how long after a retirement a load of the old epoch is still allowed "
                         "(default 0; with --redis the promised bound, remote.invalidation_ms + "
                         "remote.confirm_margin_ms)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")

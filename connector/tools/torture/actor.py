@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from kvstrata.epochs import parse_generation
+from kvstrata.epochs import parse_epoch
 from kvstrata.keys import Namespace, as_tokens
 
 from .oracle import check_load, payloads_of
@@ -125,7 +125,7 @@ class Actor:
         self.tally.add("hit_blocks", n)
         self.tally.add("loads_checked", got)
         wrong, stale, why = check_load(ns, tokens, hit.epoch, hit.chain.lengths, out[:got], started, self.w.oracle)
-        what = f"ns {ns.model} tokens {tokens.tolist()} generation {hit.epoch} lengths {hit.chain.lengths} loaded {got}"
+        what = f"ns {ns.model} tokens {tokens.tolist()} epoch {hit.epoch} lengths {hit.chain.lengths} loaded {got}"
         if wrong:
             self.tally.event("wrong", wrong, what)
         if stale:
@@ -142,19 +142,19 @@ class Actor:
         self.w.oracle.retire([before], time.monotonic_ns(), "invalidate")
 
     def lose_epochs(self) -> None:
-        """Delete the epoch state (files; with Redis the epoch keys), noting the generations that
+        """Delete the epoch state (files; with Redis the epoch keys), noting the epochs that
         were current there. Read from the state itself, not from this worker's view: a reset of
         this worker that Redis refused is pending, never current, and lands later as a fresh
-        generation (what it saved meanwhile was computed after that reset)."""
+        epoch (what it saved meanwhile was computed after that reset)."""
         folder = self.w.l2 / "epochs"
         before: list[int] = []
         if self.w.redis is None:
             for ns in NAMESPACES:
                 try:
-                    gen = parse_generation((folder / ns.seed.hex()).read_bytes()[:64])
+                    epoch = parse_epoch((folder / ns.seed.hex()).read_bytes()[:64])
                 except OSError:
-                    gen = None
-                before += [gen] if gen is not None else []
+                    epoch = None
+                before += [epoch] if epoch is not None else []
         for name in os.listdir(folder):
             if not name.startswith("."):  # leave writes in flight alone: they are not state yet
                 try:
@@ -168,7 +168,7 @@ class Actor:
             for ns in NAMESPACES:
                 pipe.get(f"{prefix}:epoch:{ns.seed.hex()}")
             pipe.delete(*names, *(f"{prefix}:epoch:{ns.seed.hex()}" for ns in NAMESPACES))
-            before = [g for raw in pipe.execute()[: len(NAMESPACES)] if (g := parse_generation(raw)) is not None]
+            before = [g for raw in pipe.execute()[: len(NAMESPACES)] if (g := parse_epoch(raw)) is not None]
         self.w.oracle.retire(before, time.monotonic_ns(), "loss")
 
     def corrupt_l2(self) -> None:

@@ -127,7 +127,7 @@ def summarize(counts: Counter[str], store: Counter[str], events: list[dict[str, 
         "collision_probes": counts["collision_probes"],
         "errors": counts["errors"],
         "invalidations_failed": counts["invalidations_failed"],
-        "unconfirmed_generation_misses": store["unconfirmed_generation_misses"],
+        "unconfirmed_epoch_misses": store["unconfirmed_epoch_misses"],
         "injected": injected,
         "rejections": {**{k: v for k, v in sorted(store.items()) if REJECTION.search(k)},
                        "collision_refusals": counts["collision_refusals"]},
@@ -150,7 +150,7 @@ def print_summary(s: dict[str, Any], to_stderr: bool) -> None:
     table.add_column("value", justify="right")
     for label, key in (("operations per second", "ops_per_s"), ("operations", "ops"),
                        ("loads checked (blocks)", "loads_checked"), ("wrong blocks served", "wrong"),
-                       ("stale-generation blocks served", "stale"), ("pinned tails lost", "lost_tails"),
+                       ("stale-epoch blocks served", "stale"), ("pinned tails lost", "lost_tails"),
                        ("tail probes", "tail_probes"), ("collision probes", "collision_probes"),
                        ("store errors (exceptions)", "errors")):
         bad = key in ("wrong", "stale", "lost_tails", "errors") and s[key]
@@ -167,7 +167,7 @@ def print_summary(s: dict[str, Any], to_stderr: bool) -> None:
         table.add_row(f"network {mode} (s)", f"{seconds:.1f}")
     if s.get("net_faults_s"):
         table.add_row("invalidations not written (refused)", str(s["invalidations_failed"]))
-        table.add_row("lookups missed: generation unconfirmed", str(s["unconfirmed_generation_misses"]))
+        table.add_row("lookups missed: epoch unconfirmed", str(s["unconfirmed_epoch_misses"]))
     for name, v in s["rejections"].items():
         table.add_row(f"rejected: {name}", str(v))
     w = s["workers"]

@@ -1,7 +1,7 @@
 """tools/torture/oracle.py: the checks that trust nothing the store says. Every payload is a
 function of its block key (``payloads_of``); after a load the keys are recomputed from the tokens
 (``expected_keys``) and compared (``check_load``); ``RetiredLog`` is the append-only record of
-retired generations that tells a stale load."""
+retired epochs that tells a stale load."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def payloads_of(keys: Sequence[bytes], size: int = PAYLOAD_BYTES) -> np.ndarray:
 
 
 def expected_keys(ns: Namespace, epoch: int, tokens: np.ndarray, lengths: Sequence[int]) -> list[bytes | None]:
-    """The keys of a hit of ``lengths`` on ``tokens`` under generation ``epoch``, recomputed from
+    """The keys of a hit of ``lengths`` on ``tokens`` under ``epoch``, recomputed from
     the tokens: full blocks from the chain, a last block shorter than a block from its tokens.
     None where the lengths cannot describe a prefix of ``tokens`` (no payload can match)."""
     bs = ns.block_size
@@ -43,9 +43,9 @@ def expected_keys(ns: Namespace, epoch: int, tokens: np.ndarray, lengths: Sequen
 
 
 class RetiredLog:
-    """Append-only record of retired generations, shared by every process of a run.
+    """Append-only record of retired epochs, shared by every process of a run.
 
-    One line per retirement: ``<monotonic ns when done> <why> <pid> <generation> ...``. Lines are
+    One line per retirement: ``<monotonic ns when done> <why> <pid> <epoch> ...``. Lines are
     written with one ``write`` on an ``O_APPEND`` descriptor (atomic among appenders on a local
     filesystem), and read incrementally; only complete lines are parsed.
     """
@@ -55,12 +55,12 @@ class RetiredLog:
         self.grace_ns = int(grace_s * 1e9)
         self._lock = threading.Lock()
         self._offset = 0
-        self._retired: dict[int, dict[str, int]] = {}  # generation -> why -> earliest (monotonic ns)
+        self._retired: dict[int, dict[str, int]] = {}  # epoch -> why -> earliest (monotonic ns)
 
-    def retire(self, generations: Sequence[int], done_ns: int, why: str) -> None:
-        if not generations:
+    def retire(self, epochs: Sequence[int], done_ns: int, why: str) -> None:
+        if not epochs:
             return
-        line = f"{done_ns} {why} {os.getpid()} {' '.join(str(int(g)) for g in generations)}\n".encode()
+        line = f"{done_ns} {why} {os.getpid()} {' '.join(str(int(g)) for g in epochs)}\n".encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, line)
@@ -85,18 +85,18 @@ class RetiredLog:
                 seen = self._retired.setdefault(int(g), {})
                 seen[why] = min(done, seen.get(why, done))
 
-    def retired_before(self, generation: int, started_ns: int) -> list[str]:
-        """How ``generation`` had been retired (``invalidate``, ``loss``) before ``started_ns``,
+    def retired_before(self, epoch: int, started_ns: int) -> list[str]:
+        """How ``epoch`` had been retired (``invalidate``, ``loss``) before ``started_ns``,
         the grace included; empty if it had not."""
         with self._lock:
             self._refresh()
-            seen = dict(self._retired.get(int(generation), {}))
+            seen = dict(self._retired.get(int(epoch), {}))
         return sorted(why for why, done in seen.items() if done + self.grace_ns < started_ns)
 
 
 def check_load(ns: Namespace, tokens: np.ndarray, epoch: int, lengths: Sequence[int], out: np.ndarray,
                started_ns: int, oracle: RetiredLog) -> tuple[int, int, list[str]]:
-    """(wrong, stale, how the generation was retired) for the loaded blocks ``out``
+    """(wrong, stale, how the epoch was retired) for the loaded blocks ``out``
     (``[n, PAYLOAD_BYTES]``) of a hit of ``lengths`` under ``epoch``, looked up from ``started_ns``."""
     n = len(out)
     if not n:
