@@ -161,35 +161,12 @@ def test_continuation_of_a_prefix_sglang_still_holds_is_served_from_storage(serv
     assert again["tokens"] == first["tokens"]
 
 
-def _served_from_storage_after_flush(servers, config: Path, seed: int, **server: Any) -> str:
-    """A prompt stored, SGLang's caches flushed, the prompt again: served from storage with the
-    same output. Returns the server's log."""
-    running = servers.get(config, **server)
-    ids = _ids(seed)
-    first, _ = stored(running, config, ids, block_files(config))
-    running.flush()
-    second = sglang_generate(running, ids)
-    assert storage_share(second, ids) >= 0.9
-    assert second["tokens"] == first["tokens"]
-    return sglang_log(running)
-
-
-@needs_sglang
-def test_legacy_interface_request_after_flush_is_served_from_storage(servers, tmp_path):
-    config = sglang_config(tmp_path / "legacy.json", tmp_path / "l2", v1=False)
-    assert "legacy flat-page interface" in _served_from_storage_after_flush(servers, config, 6)
-
-
-@needs_sglang
-def test_zero_copy_with_page_first_host_layout_is_served_from_storage(servers, tmp_path):
-    config = sglang_config(tmp_path / "page_first.json", tmp_path / "l2")
-    assert "page_first" in _served_from_storage_after_flush(servers, config, 7, layout="page_first")
-
-
 @needs_sglang
 def test_shared_redis_tier_alone_serves_a_fresh_server_with_identical_output(servers, tmp_path):
     """Scenario: kvstrata's CPU tier and the shared Redis tier, no disk tier (a real redis-server
-    on loopback). A fresh server, its L1 empty, loads what the first one stored from Redis."""
+    on loopback), with SGLang's ``page_first`` host layout (zero-copy). The first server serves
+    the prompt from storage after its caches are flushed; a fresh server, its L1 empty, loads
+    what the first one stored from Redis."""
     import redis
 
     from kvstrata.tools.redis_server import redis_server
@@ -199,7 +176,7 @@ def test_shared_redis_tier_alone_serves_a_fresh_server_with_identical_output(ser
         raw = json.loads(config.read_text())
         raw["l2"] = {"enabled": False}  # no disk tier: every hit of the fresh server is from Redis
         config.write_text(json.dumps(raw))
-        server = servers.get(config)
+        server = servers.get(config, layout="page_first")
         ids = _ids(11)
         first = sglang_generate(server, ids)
         client, want = redis.Redis.from_url(url), len(ids) // PAGE
@@ -208,10 +185,14 @@ def test_shared_redis_tier_alone_serves_a_fresh_server_with_identical_output(ser
             assert time.monotonic() < deadline, f"{n} keys in Redis for {want} pages"
             last = n
             time.sleep(0.5)
-        server = servers.get(config, fresh=True)
+        server.flush()
+        flushed = sglang_generate(server, ids)
+        assert "page_first" in sglang_log(server)
+        server = servers.get(config, layout="page_first", fresh=True)
         second = sglang_generate(server, ids)
         servers.stop()  # before its Redis goes
     assert first["storage"] == 0
+    assert storage_share(flushed, ids) >= 0.9 and flushed["tokens"] == first["tokens"]
     assert storage_share(second, ids) >= 0.9 and second["device"] == 0
     assert second["tokens"] == first["tokens"]
 

@@ -1,8 +1,11 @@
-"""Two real vLLM engines sharing the remote tier (Redis standalone, Redis Cluster, shared folder).
+"""Real vLLM engines on the remote tier (Redis standalone, Redis Cluster, shared folder).
 
-Each pair of engines (own L1 and L2, one shared tier) is started together and serves every test
-of its backend, each test under cache salts of its own (the last one, Redis killed under the
-"redis" pair, under prompts no other test sends).
+On standalone Redis a pair of engines (own L1 and L2, one shared tier) is started together and
+serves every test, each under cache salts of its own (the last one, Redis killed under the pair,
+under prompts no other test sends). On Redis Cluster and the shared folder one engine with no disk
+tier and a CPU tier of 20 blocks loads back from the shared tier a prompt its CPU tier evicted:
+the engine's path to the shared tier is the same whatever the backend; what is the backend's own
+(cross-process reads and writes, damaged values) is tested without an engine (tests/test_remote*.py).
 """
 
 from __future__ import annotations
@@ -15,16 +18,22 @@ from typing import Iterator
 import pytest
 
 import redisutil
-from engines.conftest import BS, LONG, StepEngine, gen, salt
+from engines.conftest import BS, LONG, StepEngine, delta, gen, salt
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
 
 BLOCK_BYTES = 4 * 2 * 2 * 64 * BS * 2  # the tiny model's KV per block: layers, K and V, heads, head dim, bf16
 
 
-def remote_config(tmp: Path, name: str, remote: dict) -> Path:
-    """Each engine gets its own L1 and L2; only the remote tier is shared."""
-    lines = ["l1:", "  size: 128MiB", "l2:", f"  path: {tmp / name / 'l2'}", "remote:", "  enabled: true"]
+EVICTING_L1 = 20 * BLOCK_BYTES  # more than one prompt, less than two: the next prompt evicts the last
+
+
+def remote_config(tmp: Path, name: str, remote: dict, l1: int | None = None) -> Path:
+    """Each engine gets its own L1 and L2 (with ``l1``: that many bytes of L1, no L2); only the
+    remote tier is shared."""
+    local = ["l1:", f"  size: {l1}", "l2:", "  enabled: false"] if l1 else [
+        "l1:", "  size: 128MiB", "l2:", f"  path: {tmp / name / 'l2'}"]
+    lines = [*local, "remote:", "  enabled: true"]
     lines += [f"  {k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in remote.items()]
     path = tmp / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")
@@ -48,7 +57,8 @@ def wait_published(engine: StepEngine, before: dict[str, int], blocks: int = len
 class Pairs:
     """``pairs(backend)``: two engines (``a``, ``b``) on a fresh shared tier of that backend,
     started on first use and kept for the module; ``pairs.redis``: the standalone Redis of the
-    "redis" pair as (port, [process], folder), so a test can kill and restart it."""
+    "redis" pair as (port, [process], folder), so a test can kill and restart it.
+    ``pairs.evicting(backend)``: one engine whose L1 holds less than two prompts, no L2."""
 
     def __init__(self, model: str, tmp_path_factory: pytest.TempPathFactory, stack: contextlib.ExitStack) -> None:
         self.model, self.tmp_path_factory, self.stack = model, tmp_path_factory, stack
@@ -67,6 +77,11 @@ class Pairs:
                 StepEngine(self.model, tmp, remote_config(tmp, n, shared), name=f"{backend}-{n}")) for n in "ab")
         return self.made[backend]
 
+    def evicting(self, backend: str) -> StepEngine:
+        tmp = self.tmp_path_factory.mktemp(f"evicting-{backend}")
+        shared = self.stack.enter_context(redisutil.shared_backend(backend, tmp))
+        return StepEngine(self.model, tmp, remote_config(tmp, "a", shared, EVICTING_L1), name=f"{backend}-evicting")
+
 
 @pytest.fixture(scope="module")
 def pairs(model, tmp_path_factory) -> Iterator[Pairs]:  # noqa: ANN001
@@ -74,9 +89,8 @@ def pairs(model, tmp_path_factory) -> Iterator[Pairs]:  # noqa: ANN001
         yield Pairs(model, tmp_path_factory, stack)
 
 
-@pytest.mark.parametrize("backend", ["redis", "cluster", "fs"])
-def test_second_engine_hits_what_the_first_stored_through_the_remote_tier(pairs, backend):
-    a, b = pairs(backend)
+def test_second_engine_hits_what_the_first_stored_through_the_remote_tier(pairs):
+    a, b = pairs("redis")
     s, before = salt(), a.counters()
     first = a.run([gen(LONG, salt=s)])
     wait_published(a, before)
@@ -85,6 +99,26 @@ def test_second_engine_hits_what_the_first_stored_through_the_remote_tier(pairs,
     assert out[0]["cached"] >= 0.9 * len(LONG)
     assert out[0]["tokens"] == first[0]["tokens"]
     assert out[1]["hit_blocks_remote"] - counted.get("hit_blocks_remote", 0) == len(LONG) // BS + 1
+
+
+@pytest.mark.parametrize("backend", ["cluster", "fs"])
+def test_prompt_evicted_from_the_cpu_tier_is_loaded_back_from_the_remote_tier(pairs, baseline, backend):
+    """One engine: LONG is stored and published, then a prompt twice as long evicts every block
+    of it from L1 (it has no L2); LONG asked again is loaded from the shared tier, whole."""
+    s = salt()
+    with pairs.evicting(backend) as engine:
+        before = engine.counters()
+        first = engine.run([gen(LONG, salt=s)])[0]
+        wait_published(engine, before)
+        before = engine.counters()
+        engine.run([gen(LONG + LONG[::-1], salt=salt())])  # 31 full blocks through an L1 of 20
+        wait_published(engine, before, EVICTING_L1 // BLOCK_BYTES)  # at least what L1 holds
+        counted = engine.counters()
+        out = engine.run([{"op": "reset"}, gen(LONG, salt=s), {"op": "counters"}])
+    assert out[1]["cached"] == len(LONG) - 1
+    assert out[1]["tokens"] == first["tokens"] == baseline(LONG)
+    grown = delta(out[2], counted)
+    assert grown.get("hit_blocks_remote") == len(LONG) // BS + 1 and not grown.get("hit_blocks_l1"), grown
 
 
 def test_reset_on_one_engine_stops_hits_on_the_other(pairs):

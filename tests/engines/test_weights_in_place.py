@@ -21,7 +21,7 @@ import pytest
 
 from engines.conftest import BS, LONG, SGLangServers, StepEngine, disk_config, gen, ids, needs_sglang, run_once, salt, \
     sglang_config, sglang_generate, sglang_log
-from engines.test_sglang import block_files, stored
+from engines.test_sglang import block_files, storage_share, stored
 # Each test starts two or three engines one after the other: about 25 s each on an idle machine,
 # two minutes when the 2 cores are shared, which the suite's 300 s per test would not cover.
 pytestmark = pytest.mark.timeout(900)
@@ -81,13 +81,19 @@ def _model_version(server_log: str) -> str:
 def test_sglang_start_after_weights_replaced_in_place_loads_nothing_and_answers_as_the_new_weights(own_model, tmp_path):
     """SGLang's harness always runs with the storage backend, so the reference for the new weights
     is the first request after the change: it reuses nothing (no storage, host or device tokens),
-    which is what a server without the backend does. Both servers established a trusted identity."""
+    which is what a server without the backend does. Both servers established a trusted identity.
+    The servers run the legacy flat-page interface (``interface_v1: 0``): the old one, its caches
+    flushed, serves the prompt from storage through it with the same output."""
     servers = SGLangServers(str(own_model), tmp_path)
-    config = sglang_config(tmp_path / "sglang.json", tmp_path / "l2")
+    config = sglang_config(tmp_path / "sglang.json", tmp_path / "l2", v1=False)
     prompt = ids(11, 600)
     try:
         server = servers.get(config)
         old, _ = stored(server, config, prompt, block_files(config))
+        server.flush()
+        flushed = sglang_generate(server, prompt)
+        assert storage_share(flushed, prompt) >= 0.9 and flushed["tokens"] == old["tokens"]
+        assert "legacy flat-page interface" in sglang_log(server)
         old_version = _model_version(sglang_log(server))
         servers.stop()
 
