@@ -1,10 +1,10 @@
 """Build a small random-weight model folder for tests and benchmarks, with no network.
 
-Usage: python examples/make_tiny_model.py OUT_DIR [--preset tiny|small]
+Usage: python examples/make_tiny_model.py OUT_DIR [--preset tiny|small|hybrid-swa|hybrid-ssm]
 
 Trains a byte-level BPE tokenizer on deterministically generated text, wraps it in a
-PreTrainedTokenizerFast with a chat template, builds a model with random bf16 weights
-from a fixed seed and saves both into OUT_DIR. The same preset gives the same files on
+PreTrainedTokenizerFast with a chat template, builds a model with random weights (bf16, or the
+preset's dtype) from a fixed seed and saves both into OUT_DIR. The same preset gives the same files on
 every run. The folder is built next to OUT_DIR and renamed into place, so an existing
 OUT_DIR is a complete model and the build is skipped.
 """
@@ -16,10 +16,13 @@ import random
 import shutil
 import sys
 
+from dataclasses import dataclass, field
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3NextConfig,
+                          Qwen3NextForCausalLM)
 
 log = logging.getLogger("build_model")
 
@@ -29,16 +32,38 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SHAPE = dict(head_dim=64, max_position_embeddings=4096, torch_dtype="bfloat16",
              rms_norm_eps=1e-6, rope_theta=10000.0)
+TINY = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class Preset:
+    config_cls: type
+    model_cls: type
+    tokenizer_vocab: int
+    shape: dict = field(default_factory=dict)
+    dtype: torch.dtype = torch.bfloat16
+
+
 PRESETS = {
     # ~3.4M parameters: fast to build and start, too fast to show timing differences.
-    "tiny": (LlamaConfig, LlamaForCausalLM, 3072, dict(
-        num_hidden_layers=4, hidden_size=256, intermediate_size=688,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "tiny": Preset(LlamaConfig, LlamaForCausalLM, 3072, TINY),
     # Qwen2-0.5B shape (494M parameters, 151936-entry embedding table).
-    "small": (Qwen2Config, Qwen2ForCausalLM, 8192, dict(
+    "small": Preset(Qwen2Config, Qwen2ForCausalLM, 8192, dict(
         num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
         vocab_size=151936, rope_theta=1000000.0)),
+    # Gemma 3 text: 3 sliding-window layers (256 tokens) and 1 full-attention layer. float32:
+    # on random weights bf16 flips greedy tokens between any two compute paths.
+    "hybrid-swa": Preset(Gemma3TextConfig, Gemma3ForCausalLM, 3072, dict(
+        TINY, query_pre_attn_scalar=64, sliding_window=256, torch_dtype="float32",
+        layer_types=["sliding_attention"] * 3 + ["full_attention"]), torch.float32),
+    # Qwen3-Next: 3 gated-delta-net (linear attention, SSM-like state) layers and 1 full-attention
+    # layer, 4 experts. bf16: vLLM's CPU GDN kernel requires it; linear head dims of 64 (32 fails).
+    "hybrid-ssm": Preset(Qwen3NextConfig, Qwen3NextForCausalLM, 3072, dict(
+        TINY, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, layer_types=["linear_attention"] * 3 + ["full_attention"])),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json", "model.safetensors")
 
@@ -69,15 +94,15 @@ def build_tokenizer(vocab_size):
 
 
 def build(out_dir, preset):
-    config_cls, model_cls, tok_vocab, shape = PRESETS[preset]
-    tokenizer = build_tokenizer(tok_vocab)
-    vocab = shape.get("vocab_size") or -(-len(tokenizer) // 128) * 128
-    config = config_cls(**{**SHAPE, **shape, "vocab_size": vocab},
-                        bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
+    spec = PRESETS[preset]
+    tokenizer = build_tokenizer(spec.tokenizer_vocab)
+    vocab = spec.shape.get("vocab_size") or -(-len(tokenizer) // 128) * 128
+    config = spec.config_cls(**{**SHAPE, **spec.shape, "vocab_size": vocab},
+                             bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    model = model_cls(config).to(torch.bfloat16).eval()
+    model = spec.model_cls(config).to(spec.dtype).eval()
     n_params = sum(p.numel() for p in model.parameters())
     log.info("preset %s: %d parameters, tokenizer vocab %d, model vocab %d",
              preset, n_params, len(tokenizer), vocab)

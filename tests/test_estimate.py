@@ -132,9 +132,9 @@ def small_model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert spec is not None and spec.loader is not None
     make = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make)
-    config_cls, _model_cls, _tokenizer_vocab, shape = make.PRESETS["small"]
+    preset = make.PRESETS["small"]
     out = tmp_path_factory.mktemp("small")
-    config_cls(**{**make.SHAPE, **shape}).save_pretrained(out)
+    preset.config_cls(**{**make.SHAPE, **preset.shape}).save_pretrained(out)
     return out / "config.json"
 
 

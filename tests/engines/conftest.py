@@ -119,16 +119,17 @@ def run_command(args: list[str], timeout: float, **kw: Any) -> subprocess.Comple
 
 
 # ----------------------------------------------------------------------------------- model
-def tiny_model() -> str:
-    """The tiny model's folder, built if missing: ``.cache/models/tiny-<builder hash>``, so a
-    change of the builder makes a new one and an unchanged builder reuses it across runs."""
+def tiny_model(preset: str = "tiny") -> str:
+    """A preset's model folder (examples/make_tiny_model.py), built if missing:
+    ``.cache/models/<preset>-<builder hash>``, so a change of the builder makes a new one and an
+    unchanged builder reuses it across runs."""
     digest = hashlib.sha1(BUILDER.read_bytes()).hexdigest()[:12]
-    out = ROOT / ".cache" / "models" / f"tiny-{digest}"
+    out = ROOT / ".cache" / "models" / f"{preset}-{digest}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".build.lock", "w") as lock:  # one build when test workers start together
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").exists():  # the builder renames a complete folder into place
-            subprocess.run([sys.executable, str(BUILDER), str(out), "--preset", "tiny"], check=True, timeout=600)
+            subprocess.run([sys.executable, str(BUILDER), str(out), "--preset", preset], check=True, timeout=600)
     return str(out)
 
 
