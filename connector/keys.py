@@ -1,5 +1,5 @@
 """keys.py: content addressing: ``Namespace`` (with its seed) and chained block keys
-(``root_key``, ``chain_keys``, ``chain_digests``, ``block_key``).
+(``root_key``, ``group_root``, ``chain_keys``, ``chain_digests``, ``block_key``).
 
 A *namespace* names everything that makes KV bytes incompatible (engine, model and weights version,
 KV dtype and layout, parallel rank, storage format, tenant). Its seed, together with the namespace's
@@ -72,6 +72,15 @@ class Namespace:
 def root_key(ns_seed: bytes, epoch: int) -> bytes:
     """Key of block -1: the namespace seed combined with the namespace's epoch."""
     return _h128(ns_seed + epoch.to_bytes(8, "little"))
+
+
+def group_root(root: bytes, tag: bytes) -> bytes:
+    """Key of block -1 of one KV-cache group of a hybrid model: ``xxh3_128(root || tag)``.
+
+    Every group (full attention, sliding window, SSM state) keeps its own chain under the one
+    namespace and epoch (``root`` is ``root_key(seed, epoch)``), so a single ``invalidate`` or epoch
+    confirmation covers all groups at once; the tag only separates their keys."""
+    return _h128(root + tag)
 
 
 def extra_digest(extra_keys: Sequence[object] | None) -> bytes:

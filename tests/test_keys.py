@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.keys import Namespace, block_key, chain_keys, extra_digest, root_key
+from kvstrata.keys import Namespace, block_key, chain_keys, extra_digest, group_root, root_key
 
 NS = Namespace("vllm", "tiny-llama", "v1", "bfloat16", "4x[2,128,128]", 16)
 
@@ -30,6 +30,29 @@ def test_golden_vectors_pin_the_key_function():
     assert extra_digest(["lora:7", "salt:a"]).hex() == "4067c37d9e3b2f9ae451e87f2590075c"
     with_extra = chain_keys(root_key(NS.seed, 3), np.arange(40), 16, extra_digest(["lora:7"]))
     assert with_extra.keys[0].hex() == "819b36f0c6d3139c47e25a4a7e64b401"
+
+
+def test_golden_vectors_pin_the_group_roots():
+    """Scenario: a hybrid model's groups each chain under ``group_root(root, tag)``; changing how
+    the root and the tag are combined would orphan every stored group block."""
+    root = root_key(NS.seed, 0)
+    assert group_root(root, b"g0:Full").hex() == "ea9d29115e03cf3f75851cf083c8b42f"
+    swa = group_root(root, b"g1:SWA(256)")
+    assert swa.hex() == "d99896ef79d799a55631cb2acf7fb7e6"
+    chain = chain_keys(swa, np.arange(40), 16, partial=False)
+    assert [k.hex() for k in chain.keys] == ["7b76870dac0ac655b292a303646ec97c", "0987a64bc263cf1466bc59dcbc97cfbc"]
+    assert chain.fps == [2295852528726080954, 220745246427166888]
+    assert chain.parents[0] == swa
+
+
+def test_group_chains_share_no_key_with_each_other_or_the_plain_chain():
+    tokens = np.arange(64)
+    root = root_key(NS.seed, 0)
+    plain = set(chain_keys(root, tokens, 16).keys)
+    full = set(chain_keys(group_root(root, b"g0"), tokens, 16).keys)
+    swa = set(chain_keys(group_root(root, b"g1"), tokens, 16).keys)
+    other_epoch = set(chain_keys(group_root(root_key(NS.seed, 1), b"g0"), tokens, 16).keys)
+    assert len(plain | full | swa | other_epoch) == 4 * 4
 
 
 def test_keys_are_identical_in_another_process_with_another_hash_seed():

@@ -8,6 +8,7 @@ It composes one part per concern, each in its own module:
 - ``recovery.py``: L2's blocks into the index in a background thread (lookups adopt them by
   header meanwhile; ``wait_recovered``).
 - ``lookup.py``: ``lookup`` / ``lookup_chain`` (and the pin of ``prepare_load``).
+- ``groups.py``: ``lookup_groups``, one boundary for all the KV-cache groups of a hybrid model.
 - ``load.py``: ``load`` into tensors, byte runs or L1.
 - ``write.py``: ``prepare_store`` / ``complete_store`` and ``save``.
 - ``evict.py``: L1 slots by LRU eviction and demotion, tier capacities, ``gc``.
@@ -36,6 +37,7 @@ from ..tiers import BlockTier, DiskTier, MemoryTier
 from ..tiers.arena import attach_shared_arena, remove_dead_arenas
 from ..tiers.disk import IOV_MAX
 from .evict import Evictor
+from .groups import GroupHit, GroupLookup, GroupRule
 from .load import Loader
 from .lookup import Lookup
 from .parts import open_parts
@@ -44,8 +46,8 @@ from .recovery import Recovery
 from .protocol import Arena, ByteRuns, Hit, Reservation, StoreProtocol
 from .write import Payloads, Writer
 
-__all__ = ["Arena", "BlockStore", "ByteRuns", "Hit", "Reservation", "StoreProtocol", "attach_shared_arena",
-           "remove_dead_arenas"]
+__all__ = ["Arena", "BlockStore", "ByteRuns", "GroupHit", "GroupRule", "Hit", "Reservation", "StoreProtocol",
+           "attach_shared_arena", "remove_dead_arenas"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class BlockStore:
         self._evictor = Evictor(self._parts)
         self._writer = Writer(self._parts, self._evictor)
         self._lookups = Lookup(self._parts)
+        self._group_lookups = GroupLookup(self._parts)
         self._loader = Loader(self._parts, self._writer, self._evictor)
         self._arena = Arena(self._parts.l1)
         if self._parts.recovery is not None:
@@ -167,6 +170,20 @@ class BlockStore:
         self._serving()
         started = time.perf_counter()
         hit = self._lookups.lookup_chain(ns, epoch, chain, pin=pin)
+        self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
+        return hit
+
+    def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes,
+                      rules: Sequence[GroupRule], *, lo: int, hi: int, pin: bool) -> GroupHit:
+        """For a hybrid model's KV-cache groups (one ``GroupRule`` each, keyed under
+        ``keys.group_root``): the largest block boundary N, ``lo < N <= hi``, at which every group
+        has the blocks it must load (full: ``[lo, N)``; window: those its window reaches; state:
+        the block ending at N), and those blocks per group; one N for all, or a miss. With ``pin``
+        each group's blocks are pinned until ``complete_load(hit.hits[g])``. Timed
+        (``lookup_seconds``)."""
+        self._serving()
+        started = time.perf_counter()
+        hit = self._group_lookups.lookup_groups(ns, tokens, extra, rules, lo=lo, hi=hi, pin=pin)
         self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
         return hit
 

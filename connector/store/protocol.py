@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..tiers import MemoryTier
+    from .groups import GroupHit, GroupRule
 
 
 class Hit(NamedTuple):
@@ -109,7 +110,9 @@ class StoreProtocol(Protocol):
       ``current_epoch``;
     - lookups: ``lookup`` / ``lookup_chain`` (the longest valid stored prefix as a ``Hit``; with
       ``pin`` also vLLM's ``prepare_load``: nothing of it is evicted or reused until
-      ``complete_load``), ``stored_mask``, ``origins`` (the tier each block is served from);
+      ``complete_load``), ``lookup_groups`` (one boundary for all the KV-cache groups of a
+      hybrid model, and per group the blocks it loads there), ``stored_mask``, ``origins`` (the
+      tier each block is served from);
     - loads, one name per destination: ``load_into`` (tensors), ``load_runs`` (the caller's
       memory, disk reads straight into it), ``stage`` / ``stage_later`` (into L1, now or on a
       background thread);
@@ -141,6 +144,8 @@ class StoreProtocol(Protocol):
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = ...,
                *, pin: bool = False) -> Hit: ...
     def lookup_chain(self, ns: Namespace, epoch: int, chain: BlockChain, *, pin: bool = False) -> Hit: ...
+    def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes,
+                      rules: Sequence[GroupRule], *, lo: int, hi: int, pin: bool) -> GroupHit: ...
     def complete_load(self, hit: Hit) -> None: ...
     def stored_mask(self, ns: Namespace, epoch: int, chain: BlockChain) -> np.ndarray: ...
     def origins(self, hit: Hit) -> list[str]: ...
