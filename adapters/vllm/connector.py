@@ -16,7 +16,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -44,8 +46,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class StrataConnector(KVConnectorBase_V1):
-    """kvstrata as a vLLM v1 KV connector. See the package docstring."""
+class StrataConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvstrata as a vLLM v1 KV connector. See the package docstring. ``SupportsHMA``: vLLM keeps
+    its hybrid KV cache manager on, and hybrid models get one key chain per KV cache group
+    (``hybrid.py``)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -101,6 +105,11 @@ class StrataConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA's ``request_finished``: saves were made in the steps that computed the blocks."""
+        return self._scheduler_side().request_finished(request, list(block_ids[0]) if block_ids else [])
+
     def reset_cache(self) -> bool | None:
         return self._sched.reset_cache() if self._sched is not None else None
 
@@ -142,6 +151,11 @@ class StrataConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        return self._worker.get_transfer_results()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.build_connector_worker_meta() if self._worker is not None else None

@@ -20,6 +20,9 @@ class ArenaSpec:
     num_slots: int
     slot_bytes: int
     rank_bytes: int  # one tensor-parallel rank's region of a slot
+    # A hybrid model's KV cache groups (layer names of each; None: one group, every layer): a slot
+    # holds one block of one group, the group's layers at the start of the rank's region.
+    groups: list[tuple[str, ...]] | None = None
 
 
 @dataclass
@@ -28,6 +31,9 @@ class CopyOp:
     req_id: str
     slots: list[int]
     block_ids: list[int]
+    group: int = 0  # the KV cache group whose blocks these are (hybrid models)
+    load_async: bool = False  # a load vLLM waits for (reported per request through get_finished)
+    fail: bool = False  # a load the scheduler found it cannot do: report the request failed, copy nothing
 
 
 @dataclass

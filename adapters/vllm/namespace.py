@@ -19,6 +19,8 @@ from kvstrata.identity import resolve_model_version
 from kvstrata.keys import Namespace, extra_digest
 from kvstrata.store import remove_dead_arenas
 
+from .groups import group_layouts
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -55,6 +57,8 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
     layout = (f"{_device_layout(vllm_config)};{layers}x{type(spec).__name__}"
               f"(heads={getattr(spec, 'num_kv_heads', '?')},head={getattr(spec, 'head_size', '?')},"
               f"page={spec.page_size_bytes})")
+    if len(kv_cache_config.kv_cache_groups) > 1:  # a hybrid model: every group's kind, window and layers
+        layout += ";groups=" + ",".join(g.tag.hex()[:16] for g in group_layouts(kv_cache_config))
     par = vllm_config.parallel_config
     return Namespace(
         engine="vllm",

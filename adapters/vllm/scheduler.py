@@ -41,6 +41,8 @@ from kvstrata.keys import BlockChain
 from kvstrata.store import BlockStore, Hit, Reservation, StoreProtocol
 
 from .events import KVEvents
+from .groups import group_layouts
+from .hybrid import HybridPlans
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
 from .metrics import StatsCollector
 from .namespace import namespace_for, new_arena_path, request_extra
@@ -78,6 +80,9 @@ class _Pending:
     staged: bool = False
     origin: list[str] = field(default_factory=list)  # per block of the hit: the tier it is served from
     learned: bool = False  # the hit's keys were paired with vLLM's block hashes (KV events)
+    group_hit: Any = None  # a hybrid model's pinned GroupHit, until its load ops take it over
+    group_slots: list[list[int]] = field(default_factory=list)
+    loaded: bool = False  # a hybrid model's asynchronous load was handed to the workers
 
 
 @dataclass(slots=True)
@@ -99,18 +104,23 @@ class SchedulerSide:
         par = vllm_config.parallel_config
         if par.pipeline_parallel_size > 1:
             raise ConfigError("kvstrata: pipeline parallelism is not supported yet (pipeline_parallel_size > 1)")
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ConfigError("kvstrata: models with several KV cache groups are not supported yet")
         self.ns = namespace_for(vllm_config, kv_cache_config, cfg)
         self.block_size = vllm_config.cache_config.block_size
-        group = kv_cache_config.kv_cache_groups[0]
-        rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        groups = None
+        if len(kv_cache_config.kv_cache_groups) > 1:  # a hybrid model: one slot holds one group's block
+            layouts = group_layouts(kv_cache_config)
+            self.block_size = layouts[0].block_size
+            rank_bytes = max(g.rank_bytes for g in layouts)
+            groups = [g.layer_names for g in layouts]
+        else:
+            group = kv_cache_config.kv_cache_groups[0]
+            rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         slot_bytes = rank_bytes * par.tensor_parallel_size
         path = new_arena_path()
         self.store: StoreProtocol = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
         self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
         atexit.register(self.store.arena.unlink)  # unlink the arena even if vLLM never calls shutdown
-        self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes)
+        self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes, groups)
         self._ranks = par.tensor_parallel_size
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._inline_bytes = cfg.l1.stage_inline_bytes
@@ -122,9 +132,10 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
         self._next_op = 1
         self.stats = StatsCollector(self.store)
+        self._hybrid = HybridPlans(self, layouts) if groups is not None else None
         events_cfg = vllm_config.kv_events_config
         self.events: KVEvents | None = None
-        if events_cfg is not None and events_cfg.enable_kv_cache_events:
+        if events_cfg is not None and events_cfg.enable_kv_cache_events and self._hybrid is None:
             self.events = KVEvents(self.block_size, self.store.tier_bits)
             self.store.listen(self.events.on_tier_change)
         log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s", self.ns.id,
@@ -138,6 +149,8 @@ class SchedulerSide:
                 return 0, False
             st = self._reqs[request.request_id] = _Pending(
                 request, np.asarray(request.prompt_token_ids, dtype=np.uint32), request_extra(request))
+        if self._hybrid is not None:
+            return self._hybrid.match(st, num_computed_tokens)
         with self._lock:
             if st.staging:
                 return None, False  # disk blocks are being staged into L1: ask again later
@@ -228,6 +241,9 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
+        if st is not None and self._hybrid is not None:
+            self._hybrid.alloc(st, blocks, num_external_tokens)
+            return
         if st is None or st.hit is None:
             return
         if num_external_tokens == 0:
@@ -239,7 +255,7 @@ class SchedulerSide:
         op = CopyOp(self._new_op_id(), request.request_id, st.slots[first:last], list(block_ids[first:last]))
         self._loads.append(op)
         # The load op owns the pin now: it goes when every rank has copied the blocks out.
-        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), hit=st.hit)
+        self._track(op, hit=st.hit)
         st.hit, st.slots = None, []
         self.store.count_served(*self._served(st, num_external_tokens))  # the workers copy out of L1
 
@@ -247,10 +263,17 @@ class SchedulerSide:
         self._next_op += 1
         return self._next_op - 1
 
+    def _track(self, op: CopyOp, *, hit: Hit | None = None, reservation: Reservation | None = None) -> None:
+        """Op ``op`` is sent to every rank: settle it (unpin ``hit``, publish ``reservation``) when
+        every rank has reported it."""
+        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), reservation=reservation, hit=hit)
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
-            if st is not None:
+            if st is not None and self._hybrid is not None:
+                self._hybrid.plan_saves(req_id, st, n, scheduler_output)
+            elif st is not None:
                 self._plan_saves(req_id, st, n)
         meta = StrataMetadata(self.arena, self._loads, self._saves)
         self._loads, self._saves = [], []
@@ -296,7 +319,7 @@ class SchedulerSide:
         ids = [block_ids[where[position[m.key]]] for m in res.metas]
         op = CopyOp(self._new_op_id(), req_id, res.slots, ids)
         self._saves.append(op)
-        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), reservation=res)
+        self._track(op, reservation=res)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Everything computed was saved in the step that computed it, except the partial block at
@@ -309,6 +332,8 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._release(st)
+            if self._hybrid is not None:
+                self._hybrid.release(st)
         return False, None
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:

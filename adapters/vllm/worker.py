@@ -6,6 +6,11 @@ operation per layer (``kvstrata.blockcopy``). A slot holds one vLLM block for al
 tensor-parallel ranks (rank r writes its own region). After each step it reports the ops it has
 finished, keyed by its rank (``StrataWorkerMetadata``); a failed load is reported both as done
 (so its pin goes) and through ``get_block_ids_with_load_errors`` (so vLLM recomputes the blocks).
+
+A hybrid model (several KV cache groups) has one ``BlockLayout`` per group, over that group's
+layers: a slot holds one block of one group, and an op names its group. Its loads are
+asynchronous: vLLM waits for the request, which is reported through ``get_transfer_results``,
+finished, or finished and failed (vLLM then recomputes the whole request).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvstrata.blockcopy import BlockLayout
 from kvstrata.store import attach_shared_arena
@@ -33,7 +40,7 @@ class WorkerSide:
 
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
         self._num_blocks = kv_cache_config.num_blocks
-        self._layout: BlockLayout | None = None
+        self._layouts: list[BlockLayout] = []  # one per KV cache group (one: every layer)
         self._arena: torch.Tensor | None = None
         self._prefault: Any = None  # the arena's Prefaulter for the worker's mapping
         self._arena_path = ""
@@ -42,6 +49,8 @@ class WorkerSide:
         self._failed: set[int] = set()
         self._loaded: set[int] = set()
         self._load_errors: set[int] = set()
+        self._recving: set[str] = set()  # requests whose asynchronous load finished (failed ones too)
+        self._recv_failed: set[str] = set()
         self._just_attached = False
         self._load_s: list[float] = []  # one sample per step with loads (the L1-to-KV-cache copy)
         self._bytes_read = 0  # this rank's bytes copied out of L1
@@ -56,12 +65,16 @@ class WorkerSide:
 
     def _attach(self, spec: ArenaSpec) -> torch.Tensor:
         if self._arena is None or self._arena_path != spec.path:
-            self._layout = BlockLayout(self._caches, self._num_blocks, base_offset=self._rank * spec.rank_bytes)
-            if self._layout.nbytes != spec.rank_bytes:
-                raise RuntimeError(f"kvstrata: worker blocks are {self._layout.nbytes} bytes per rank, "
+            base = self._rank * spec.rank_bytes
+            groups = spec.groups or [tuple(self._caches)]
+            self._layouts = [BlockLayout({n: self._caches[n] for n in names}, self._num_blocks, base_offset=base)
+                             for names in groups]
+            sizes = [layout.nbytes for layout in self._layouts]
+            if (max(sizes) != spec.rank_bytes) if spec.groups else (sizes[0] != spec.rank_bytes):
+                raise RuntimeError(f"kvstrata: worker blocks are {sizes} bytes per rank, "
                                    f"the scheduler expects {spec.rank_bytes}")
             self._arena, self._prefault = attach_shared_arena(spec.path, spec.num_slots, spec.slot_bytes)
-            if self._layout.device.type == "cuda":
+            if self._layouts[0].device.type == "cuda":
                 torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
             self._arena_path = spec.path
             self._just_attached = True
@@ -71,16 +84,22 @@ class WorkerSide:
         arena = self._attach(meta.arena)  # at the first step, so the scheduler can unlink the file
         if not meta.loads:
             return
-        assert self._layout is not None
         self._prefault.ahead_of((max((max(op.slots) for op in meta.loads if op.slots), default=0) + 1)
                                 * meta.arena.slot_bytes)
         started = time.perf_counter()
         for op in meta.loads:
             try:
-                self._layout.load(op.slots, arena, op.block_ids)
-            except Exception:  # an I/O edge: report the blocks so vLLM recomputes them
+                if op.fail:
+                    raise RuntimeError("the scheduler could not plan this load")
+                self._layouts[op.group].load(op.slots, arena, op.block_ids)
+            except Exception:  # an I/O edge: report the blocks (or the request) so vLLM recomputes
                 log.exception("kvstrata: load for %s failed; vLLM will recompute it", op.req_id)
-                self._load_errors.update(op.block_ids)
+                if op.load_async:
+                    self._recv_failed.add(op.req_id)
+                else:
+                    self._load_errors.update(op.block_ids)
+            if op.load_async:  # every op of a request comes in one step: it is done after this loop
+                self._recving.add(op.req_id)
             # The arena slots are read once load() returns (on CUDA only the upload from the
             # staging buffer is still queued), so the scheduler may unpin them after this step.
             self._loaded.add(op.op_id)
@@ -88,19 +107,18 @@ class WorkerSide:
         self._bytes_read += sum(len(op.slots) for op in meta.loads) * meta.arena.rank_bytes
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._layout is not None:
-            self._layout.wait_layer(layer_name)
+        for layout in self._layouts:
+            layout.wait_layer(layer_name)
 
     def wait_for_save(self, meta: StrataMetadata) -> None:
         if not meta.saves:
             return
         arena = self._attach(meta.arena)
-        assert self._layout is not None
         self._prefault.ahead_of((max((max(op.slots) for op in meta.saves if op.slots), default=0) + 1)
                                 * meta.arena.slot_bytes)
         for op in meta.saves:
             try:
-                self._layout.save(op.block_ids, arena, op.slots)
+                self._layouts[op.group].save(op.block_ids, arena, op.slots)
                 self._saved.add(op.op_id)
             except Exception:  # an I/O edge: the blocks are just not stored
                 log.exception("kvstrata: save for %s failed; it will not be stored", op.req_id)
@@ -112,6 +130,12 @@ class WorkerSide:
         stats = StrataStats({"counters": {"l1_bytes_read": self._bytes_read}, "samples": {"load_seconds_l1": self._load_s}})
         self._load_s, self._bytes_read = [], 0
         return stats
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        """Requests whose asynchronous load is done on this rank (a failed one is in both sets)."""
+        done, failed = self._recving, self._recv_failed
+        self._recving, self._recv_failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

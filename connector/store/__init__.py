@@ -31,7 +31,7 @@ from ..config import StrataConfig
 from ..describe import MAX_BYTES as DESCRIPTOR_MAX, encode as encode_descriptor
 from ..epochs import EpochStore
 from ..index import BlockIndex
-from ..keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, root_key, rooted_digests
+from ..keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, chain_keys, group_root, root_key, rooted_digests
 from ..metrics import Counters, TierListener
 from ..tiers import BlockTier, DiskTier, MemoryTier
 from ..tiers.arena import attach_shared_arena, remove_dead_arenas
@@ -151,6 +151,14 @@ class BlockStore:
     def current_epoch(self, ns: Namespace) -> int:
         """The epoch saves of ``ns`` go under (a lookup checks that it is confirmed)."""
         return self._parts.epochs.get(ns.seed)
+
+    def group_chain(self, ns: Namespace, epoch: int, tag: bytes, tokens: Sequence[int] | np.ndarray,
+                    extra: bytes = NO_EXTRA) -> BlockChain:
+        """The full-block keys of ``tokens`` on one KV-cache group's chain of a hybrid model
+        (``keys.group_root``: under ``epoch``'s root and the group's ``tag``), as ``lookup_groups``
+        finds them."""
+        return chain_keys(group_root(root_key(ns.seed, epoch), tag), as_tokens(tokens), ns.block_size, extra,
+                          partial=False)
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,

@@ -107,6 +107,7 @@ class StoreProtocol(Protocol):
 
     - keys: ``chain`` (a prompt's chained block keys under the current epoch),
       ``tail_block``, ``page_chain`` (pages keyed by the engine's own chained digests),
+      ``group_chain`` (one KV-cache group's keys of a hybrid model),
       ``current_epoch``;
     - lookups: ``lookup`` / ``lookup_chain`` (the longest valid stored prefix as a ``Hit``; with
       ``pin`` also vLLM's ``prepare_load``: nothing of it is evicted or reused until
@@ -140,6 +141,8 @@ class StoreProtocol(Protocol):
                    extra: bytes = ...) -> BlockChain: ...
     def page_chain(self, ns: Namespace, epoch: int, digests: Sequence[bytes]) -> BlockChain: ...
     def current_epoch(self, ns: Namespace) -> int: ...
+    def group_chain(self, ns: Namespace, epoch: int, tag: bytes, tokens: Sequence[int] | np.ndarray,
+                    extra: bytes = ...) -> BlockChain: ...
 
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = ...,
                *, pin: bool = False) -> Hit: ...

@@ -156,12 +156,12 @@ class StepEngine:
 
     def __init__(self, model: str, log_dir: Path, config: Path | None = None, *, name: str = "engine",
                  mp: bool = False, tp: int = 1, module_path: bool = True, dtype: str = "auto",
-                 env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
+                 env: dict[str, str] | None = None, prefix: Sequence[str] = (), block_size: int = BS) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         tag = f"{name}-{os.urandom(3).hex()}"
         spec = log_dir / f"{tag}.json"
         spec.write_text(json.dumps({"model": model, "config": str(config) if config else None, "mp": mp, "tp": tp,
-                                    "block_size": BS, "module_path": module_path, "dtype": dtype}))
+                                    "block_size": block_size, "module_path": module_path, "dtype": dtype}))
         self.log_path = log_dir / f"{tag}.log"
         self.config, self.name = config, name
         self._log = open(self.log_path, "w")
@@ -296,7 +296,7 @@ class Baselines:
 
     def __init__(self, log_dir: Path, model: str, shared: Path | None = None) -> None:
         self.log_dir, self.model, self.shared = log_dir, model, shared
-        self._engines: dict[tuple[str, str], StepEngine] = {}
+        self._engines: dict[tuple, StepEngine] = {}
         self._cache: dict[tuple, list[int]] = {}
 
     def _file(self, key: tuple) -> Path | None:
@@ -317,25 +317,35 @@ class Baselines:
             tmp.rename(path)  # whole or absent for the other worker
 
     def __call__(self, prompt: list[int], max_tokens: int = 8, *, model: str | None = None,
-                 dtype: str = "auto") -> list[int]:
-        return self.many([prompt], max_tokens, model=model, dtype=dtype)[0]
+                 dtype: str = "auto", block_size: int = BS) -> list[int]:
+        return self.many([prompt], max_tokens, model=model, dtype=dtype, block_size=block_size)[0]
 
     def many(self, prompts: list[list[int]], max_tokens: int = 8, *, model: str | None = None,
-             dtype: str = "auto") -> list[list[int]]:
+             dtype: str = "auto", block_size: int = BS) -> list[list[int]]:
         model = model or self.model
-        keys = [(model, dtype, max_tokens, tuple(p)) for p in prompts]
-        todo = [p for p, k in zip(prompts, keys) if not self._known(k)]
+        at = self._settings(model, dtype, block_size)
+        keys = [(*at, max_tokens, tuple(p)) for p in prompts]
+        todo = [(p, k) for p, k in zip(prompts, keys) if not self._known(k)]
         if todo:
-            engine = self._engines.get((model, dtype))
-            if engine is None:
-                engine = self._engines[(model, dtype)] = StepEngine(model, self.log_dir, None, name="baseline",
-                                                                   dtype=dtype)
-            out = engine.run([gen(p, max_tokens=max_tokens) for p in todo])
-            for p, r in zip(todo, out):
-                self._keep((model, dtype, max_tokens, tuple(p)), r["tokens"])
+            out = self.engine(model, dtype, block_size).run([gen(p, max_tokens=max_tokens) for p, _ in todo])
+            for (_, key), r in zip(todo, out):
+                self._keep(key, r["tokens"])
             if model != self.model:  # another model (a test's own copy): not needed again
-                self._engines.pop((model, dtype)).close()
+                self._engines.pop(at).close()
         return [self._cache[k] for k in keys]
+
+    @staticmethod
+    def _settings(model: str, dtype: str, block_size: int) -> tuple:
+        return (model, dtype) if block_size == BS else (model, dtype, block_size)
+
+    def engine(self, model: str, dtype: str = "auto", block_size: int = BS) -> StepEngine:
+        """The no-connector engine of these settings (started on first use; for another model than
+        the session's, closed once ``many`` has used it)."""
+        at = self._settings(model, dtype, block_size)
+        if at not in self._engines:
+            self._engines[at] = StepEngine(model, self.log_dir, None, name="baseline", dtype=dtype,
+                                           block_size=block_size)
+        return self._engines[at]
 
     def close(self) -> None:
         for engine in self._engines.values():

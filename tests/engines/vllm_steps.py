@@ -13,7 +13,8 @@ Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} ->
 "cached", "ms"}; {"op": "generate", "prompts": [[ids], ...]} -> {"tokens": [[...]], "cached":
 [...]} (one batched call: the prompts share engine steps); {"op": "reset", "connector": bool} ->
 {"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
-(in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "arenas", "children": bool} ->
+(in-process EngineCore only); {"op": "kv_groups"} -> {"num_blocks", "groups": [[spec class, block
+size], ...]} (in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "arenas", "children": bool} ->
 {"names"}: kvstrata's L1 arena files in /dev/shm created by this process or (by default) its
 children (the EngineCore when "mp"). Greedy decoding throughout.
 """
@@ -87,6 +88,10 @@ def step(llm, op: dict) -> dict:
         return {}
     if op["op"] == "arenas":
         return {"names": _own_arenas(op.get("children", True))}
+    if op["op"] == "kv_groups":  # in-process EngineCore only
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        return {"num_blocks": config.num_blocks,
+                "groups": [[type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size] for g in config.kv_cache_groups]}
     if op["op"] == "counters":
         store = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.store
         store.wait_recovered(120)  # settled figures: the background L2 scan's counts included
