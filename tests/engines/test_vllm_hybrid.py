@@ -8,6 +8,13 @@ vLLM's CPU kernel takes). Each runs a prompt cold, again after vLLM's own prefix
 (kvstrata's CPU tier), and in a fresh engine on the same disk tier; every output equals vLLM alone.
 Without HMA (kvstrata before issue 28) the first ran with a quarter of its KV capacity and the
 second could not start.
+
+Random weights have near-tied logits, and in bf16 a different compute path (a hit recomputes 64
+tokens where a cold run computes 1,600) can flip a greedy token with no KV wrong. So the prompt is
+the one of a few whose greedy tokens lead the runner-up by at least ``GAP`` in logprob, as vLLM alone
+computes them, for the most steps from the first; outputs must be equal token for token over those
+steps (all 8 in fp32, at least ``MIN_CLEAR`` in bf16). Wrong KV (an SSM state of another boundary,
+a window block of another prompt) moves logits by far more than that.
 """
 
 from __future__ import annotations
@@ -16,12 +23,27 @@ import pytest
 
 from engines.conftest import StepEngine, delta, disk_config, gen, ids, salt, tiny_model
 
-pytest.importorskip("vllm")
+
+def clear_prompt(alone: StepEngine, n: int = 1600, seeds: range = range(21, 41)) -> tuple[list[int], int]:
+    """The prompt of ``seeds`` whose greedy tokens, as vLLM alone computes them, lead the runner-up
+    by ``GAP`` for the most steps from the first one, and that number of steps."""
+    outs = alone.run([gen(ids(s, n), logprobs=2) for s in seeds])
+
+    def clear(out: dict) -> int:
+        gaps = [top[0] - top[1] for top in out["top"]]
+        return next((i for i, g in enumerate(gaps) if g < GAP), len(gaps))
+
+    seed, out = max(zip(seeds, outs), key=lambda pair: clear(pair[1]))
+    if clear(out) < MIN_CLEAR:
+        pytest.fail(f"no prompt of seeds {seeds} leads by {GAP} for {MIN_CLEAR} steps: {[clear(o) for o in outs]}")
+    return ids(seed, n), clear(out)
+
 
 # Per preset: a baseline engine and two kvstrata engines, one after the other, on 2 shared cores.
 pytestmark = pytest.mark.timeout(900)
 
-PROMPT = ids(21, 1600)
+GAP = 0.03  # logprob lead of a greedy token over the runner-up, with vLLM alone
+MIN_CLEAR = 3  # greedy tokens compared at least
 PRESETS = {  # preset -> (engine dtype, block size asked for, the groups vLLM makes)
     "hybrid-swa": ("float32", 128, ["SlidingWindowSpec"] * 3 + ["FullAttentionSpec"]),
     "hybrid-ssm": ("bfloat16", 128, ["MambaSpec"] * 3 + ["FullAttentionSpec"]),
@@ -32,12 +54,15 @@ PRESETS = {  # preset -> (engine dtype, block size asked for, the groups vLLM ma
 def test_hybrid_model_keeps_hma_and_is_served_from_every_tier_with_vllms_outputs(preset, baseline, tmp_path):
     dtype, block_size, kinds = PRESETS[preset]
     model = tiny_model(preset)
-    alone = baseline.engine(model, dtype, block_size).run([{"op": "kv_groups"}])[0]
-    want = baseline(PROMPT, model=model, dtype=dtype, block_size=block_size)  # and closes that engine
+    engine = baseline.engine(model, dtype, block_size)
+    alone = engine.run([{"op": "kv_groups"}])[0]
+    prompt, steps = clear_prompt(engine)
+    print(f"{preset}: outputs compared over {steps} greedy tokens")
+    want = baseline(prompt, model=model, dtype=dtype, block_size=block_size)[:steps]  # and closes that engine
     cfg = disk_config(tmp_path)
     with StepEngine(model, tmp_path, cfg, name=f"{preset}-a", dtype=dtype, block_size=block_size) as a:
         groups, cold, _, l1, other, counters = a.run([
-            {"op": "kv_groups"}, gen(PROMPT), {"op": "reset"}, gen(PROMPT), gen(PROMPT, salt=salt()),
+            {"op": "kv_groups"}, gen(prompt), {"op": "reset"}, gen(prompt), gen(prompt, salt=salt()),
             {"op": "counters"}])
         log = a.tail(10**7)
     assert [g[0] for g in groups["groups"]] == kinds  # HMA on: one group per layer kind, not one for all
@@ -45,15 +70,15 @@ def test_hybrid_model_keeps_hma_and_is_served_from_every_tier_with_vllms_outputs
     assert "Turning off hybrid kv cache manager" not in log
     bs = groups["groups"][0][1]
     assert {g[1] for g in groups["groups"]} == {bs}
-    assert cold["cached"] == 0 and cold["tokens"] == want
+    assert cold["cached"] == 0 and cold["tokens"][:steps] == want
     # Every group resumes at the last block boundary before the prompt's last token.
-    assert l1["cached"] == (len(PROMPT) - 1) // bs * bs >= 0.9 * len(PROMPT), (l1["cached"], bs)
-    assert l1["tokens"] == want
-    assert other["cached"] == 0 and other["tokens"] == want  # another salt: nothing of the first
+    assert l1["cached"] == (len(prompt) - 1) // bs * bs >= 0.9 * len(prompt), (l1["cached"], bs)
+    assert l1["tokens"][:steps] == want
+    assert other["cached"] == 0 and other["tokens"][:steps] == want  # another salt: nothing of the first
     assert counters["saved_blocks"] > 0 and counters.get("hit_blocks_l1", 0) > 0
 
     with StepEngine(model, tmp_path, cfg, name=f"{preset}-b", dtype=dtype, block_size=block_size) as b:
         before = b.counters()
-        fresh, after = b.run([gen(PROMPT), {"op": "counters"}])
-    assert fresh["cached"] == l1["cached"] and fresh["tokens"] == want  # from the disk tier, all groups
+        fresh, after = b.run([gen(prompt), {"op": "counters"}])
+    assert fresh["cached"] == l1["cached"] and fresh["tokens"][:steps] == want  # from the disk tier, all groups
     assert delta(after, before).get("hit_blocks_l2", 0) > 0

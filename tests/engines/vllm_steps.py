@@ -9,8 +9,8 @@ SPEC: {"model": DIR, "config": YAML or null (no connector), "mp": bool (separate
 worker processes), "tp": int (tensor-parallel ranks, one worker process each), "block_size": int,
 "module_path": bool (name the connector's module, else the plugin entry point finds it)}.
 
-Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null} -> {"tokens",
-"cached", "ms"}; {"op": "generate", "prompts": [[ids], ...]} -> {"tokens": [[...]], "cached":
+Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null, "logprobs": k|null} ->
+{"tokens", "cached", "ms"} (and "top": the k highest logprobs of each generated token); {"op": "generate", "prompts": [[ids], ...]} -> {"tokens": [[...]], "cached":
 [...]} (one batched call: the prompts share engine steps); {"op": "reset", "connector": bool} ->
 {"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
 (in-process EngineCore only); {"op": "kv_groups"} -> {"num_blocks", "groups": [[spec class, block
@@ -77,10 +77,16 @@ def step(llm, op: dict) -> dict:
         prompt = {"prompt_token_ids": op["prompt"]}
         if op.get("salt"):
             prompt["cache_salt"] = op["salt"]
+        if op.get("logprobs"):
+            params = SamplingParams(temperature=0, max_tokens=op.get("max_tokens", 8), logprobs=op["logprobs"])
         start = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
-                "ms": (time.perf_counter() - start) * 1000}
+        res = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+               "ms": (time.perf_counter() - start) * 1000}
+        if op.get("logprobs"):  # per generated token, the top logprobs, highest first
+            res["top"] = [sorted((lp.logprob for lp in step.values()), reverse=True)[: op["logprobs"]]
+                          for step in out.outputs[0].logprobs]
+        return res
     if op["op"] == "reset":
         return {"ok": llm.reset_prefix_cache(reset_connector=op.get("connector", False))}
     if op["op"] == "sleep":
