@@ -5,7 +5,9 @@ Two presets of examples/make_tiny_model.py: ``hybrid-swa`` (Gemma 3 text: three 
 layers of 256 tokens and one full-attention layer, fp32) and ``hybrid-ssm`` (Qwen3-Next: three
 gated-delta-net layers, whose state is an SSM's, and one full-attention layer, bf16, the only dtype
 vLLM's CPU kernel takes). Each runs a prompt cold, again after vLLM's own prefix cache is reset
-(kvstrata's CPU tier), and in a fresh engine on the same disk tier; every output equals vLLM alone.
+(kvstrata's CPU tier), in a fresh engine on the same disk tier, and in an instance that shares
+only the Redis tier, with an L1 small enough that two other prompts evict it; every output equals
+vLLM alone.
 Without HMA (kvstrata before issue 28) the first ran with a quarter of its KV capacity and the
 second could not start.
 
@@ -21,7 +23,23 @@ from __future__ import annotations
 
 import pytest
 
+import redis as _redis
+
+import redisutil
 from engines.conftest import StepEngine, delta, disk_config, gen, ids, salt, tiny_model
+
+pytest.importorskip("vllm")
+
+# Per preset: a baseline engine and three kvstrata engines, one after the other, on 2 shared cores.
+pytestmark = [pytest.mark.timeout(900),
+              pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")]
+
+GAP = 0.03  # logprob lead of a greedy token over the runner-up, with vLLM alone
+MIN_CLEAR = 3  # greedy tokens compared at least
+PRESETS = {  # preset -> (engine dtype, block size asked for, the groups vLLM makes, an L1 of ~1.5 prompts)
+    "hybrid-swa": ("float32", 128, ["SlidingWindowSpec"] * 3 + ["FullAttentionSpec"], "5MiB"),
+    "hybrid-ssm": ("bfloat16", 128, ["MambaSpec"] * 3 + ["FullAttentionSpec"], "3MiB"),
+}
 
 
 def clear_prompt(alone: StepEngine, n: int = 1600, seeds: range = range(21, 41)) -> tuple[list[int], int]:
@@ -39,32 +57,45 @@ def clear_prompt(alone: StepEngine, n: int = 1600, seeds: range = range(21, 41))
     return ids(seed, n), clear(out)
 
 
-# Per preset: a baseline engine and two kvstrata engines, one after the other, on 2 shared cores.
-pytestmark = pytest.mark.timeout(900)
-
-GAP = 0.03  # logprob lead of a greedy token over the runner-up, with vLLM alone
-MIN_CLEAR = 3  # greedy tokens compared at least
-PRESETS = {  # preset -> (engine dtype, block size asked for, the groups vLLM makes)
-    "hybrid-swa": ("float32", 128, ["SlidingWindowSpec"] * 3 + ["FullAttentionSpec"]),
-    "hybrid-ssm": ("bfloat16", 128, ["MambaSpec"] * 3 + ["FullAttentionSpec"]),
-}
-
-
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_hybrid_model_keeps_hma_and_is_served_from_every_tier_with_vllms_outputs(preset, baseline, tmp_path):
-    dtype, block_size, kinds = PRESETS[preset]
+    dtype, block_size, kinds, small_l1 = PRESETS[preset]
     model = tiny_model(preset)
     engine = baseline.engine(model, dtype, block_size)
     alone = engine.run([{"op": "kv_groups"}])[0]
     prompt, steps = clear_prompt(engine)
     print(f"{preset}: outputs compared over {steps} greedy tokens")
     want = baseline(prompt, model=model, dtype=dtype, block_size=block_size)[:steps]  # and closes that engine
-    cfg = disk_config(tmp_path)
-    with StepEngine(model, tmp_path, cfg, name=f"{preset}-a", dtype=dtype, block_size=block_size) as a:
-        groups, cold, _, l1, other, counters = a.run([
-            {"op": "kv_groups"}, gen(prompt), {"op": "reset"}, gen(prompt), gen(prompt, salt=salt()),
-            {"op": "counters"}])
-        log = a.tail(10**7)
+    with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
+        remote = f"\n  enabled: true\n  url: {url}"
+        cfg = disk_config(tmp_path, remote=remote)
+        attacked = salt()
+        with StepEngine(model, tmp_path, cfg, name=f"{preset}-a", dtype=dtype, block_size=block_size) as a:
+            groups, cold, _, l1, other, counters, keys = a.run([
+                {"op": "kv_groups"}, gen(prompt), {"op": "reset"}, gen(prompt), gen(prompt, salt=attacked),
+                {"op": "counters"}, {"op": "group_keys", "prompt": prompt, "salt": attacked}])
+            log = a.tail(10**7)
+        # The attack: the salted copy loses one unit of one sliding-window or SSM group at the
+        # boundary of the hit, on disk and in Redis: the hit must shrink (or miss), never mix.
+        g = next(i for i, kind in enumerate(keys["kinds"]) if kind != "full")
+        victim = keys["keys"][g][l1["cached"] // groups["groups"][0][1] - 1]
+        gone = [f.unlink() or f for f in (tmp_path / "l2" / "blocks").glob(f"*/{victim}.kvb")]
+        client = _redis.Redis.from_url(url)
+        gone += [client.delete(k) and k for k in client.scan_iter(f"*{victim}*")]
+        with StepEngine(model, tmp_path, cfg, name=f"{preset}-b", dtype=dtype, block_size=block_size) as b:
+            before = b.counters()
+            fresh, hurt, after = b.run([gen(prompt), gen(prompt, salt=attacked), {"op": "counters"}])
+        # A second instance on the shared tier alone (no disk tier), with an L1 of about 1.5
+        # prompts: the prompt from Redis, then two others that evict it from L1, then it again.
+        shared = tmp_path / "shared.yaml"
+        shared.write_text(f"l1:\n  size: {small_l1}\nl2:\n  enabled: false\nremote:{remote}\n")
+        with StepEngine(model, tmp_path, shared, name=f"{preset}-c", dtype=dtype, block_size=block_size) as c:
+            start = c.counters()
+            first, mid, *_, again, end = c.run([gen(prompt), {"op": "counters"}, gen(ids(101, 1600)),
+                                                gen(ids(102, 1600)), {"op": "reset"}, gen(prompt), {"op": "counters"}])
+    print(f"{preset}: groups {groups['groups']}, {groups['num_blocks']} KV blocks (alone {alone['num_blocks']}); "
+          f"cached tokens: L1 {l1['cached']}, L2 {fresh['cached']}, attacked {hurt['cached']}, "
+          f"shared tier {first['cached']}, after eviction {again['cached']} of {len(prompt)}")
     assert [g[0] for g in groups["groups"]] == kinds  # HMA on: one group per layer kind, not one for all
     assert groups == alone  # the same groups, block size and KV capacity as vLLM alone
     assert "Turning off hybrid kv cache manager" not in log
@@ -76,9 +107,11 @@ def test_hybrid_model_keeps_hma_and_is_served_from_every_tier_with_vllms_outputs
     assert l1["tokens"][:steps] == want
     assert other["cached"] == 0 and other["tokens"][:steps] == want  # another salt: nothing of the first
     assert counters["saved_blocks"] > 0 and counters.get("hit_blocks_l1", 0) > 0
-
-    with StepEngine(model, tmp_path, cfg, name=f"{preset}-b", dtype=dtype, block_size=block_size) as b:
-        before = b.counters()
-        fresh, after = b.run([gen(prompt), {"op": "counters"}])
     assert fresh["cached"] == l1["cached"] and fresh["tokens"][:steps] == want  # from the disk tier, all groups
+    assert len(gone) >= 2, gone  # the unit's file and its Redis value
+    assert hurt["cached"] < l1["cached"] and hurt["cached"] % bs == 0 and hurt["tokens"][:steps] == want
     assert delta(after, before).get("hit_blocks_l2", 0) > 0
+    for served in (first, again):  # from Redis, every group
+        assert served["cached"] == l1["cached"] and served["tokens"][:steps] == want
+    assert delta(mid, start).get("hit_blocks_remote", 0) > 0 and not delta(mid, start).get("hit_blocks_l1")
+    assert delta(end, mid).get("hit_blocks_remote", 0) > 0  # evicted from L1: from the shared tier again

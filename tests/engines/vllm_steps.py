@@ -14,7 +14,8 @@ Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null, "l
 [...]} (one batched call: the prompts share engine steps); {"op": "reset", "connector": bool} ->
 {"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
 (in-process EngineCore only); {"op": "kv_groups"} -> {"num_blocks", "groups": [[spec class, block
-size], ...]} (in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "arenas", "children": bool} ->
+size], ...]}; {"op": "group_keys", "prompt": [ids], "salt": str|null} -> {"kinds", "keys": per group, the
+hex keys of the prompt's full blocks} (a hybrid model's; both in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "arenas", "children": bool} ->
 {"names"}: kvstrata's L1 arena files in /dev/shm created by this process or (by default) its
 children (the EngineCore when "mp"). Greedy decoding throughout.
 """
@@ -98,6 +99,16 @@ def step(llm, op: dict) -> dict:
         config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
         return {"num_blocks": config.num_blocks,
                 "groups": [[type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size] for g in config.kv_cache_groups]}
+    if op["op"] == "group_keys":  # a hybrid model's keys of a prompt, per group (in-process EngineCore only)
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+        from kvstrata.keys import extra_digest
+
+        store, ns = sched.store, sched.ns
+        epoch = store.current_epoch(ns)
+        extra = extra_digest([f"salt:{op['salt']}"] if op.get("salt") else [])  # as the adapter's request_extra
+        return {"kinds": [g.kind for g in sched._hybrid.layouts],
+                "keys": [[k.hex() for k in store.group_chain(ns, epoch, g.tag, op["prompt"], extra).keys]
+                         for g in sched._hybrid.layouts]}
     if op["op"] == "counters":
         store = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.store
         store.wait_recovered(120)  # settled figures: the background L2 scan's counts included
