@@ -107,6 +107,11 @@ class BlockChain(NamedTuple):
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
+    def pick(self, idx: Sequence[int]) -> "BlockChain":
+        """The blocks ``idx`` (any order, gaps allowed): the index checks each block against its
+        own parent, so a chain need not be contiguous to be validated or stored."""
+        return BlockChain(*([part[i] for i in idx] for part in self))
+
 
 def chain_keys(
     root: bytes,

@@ -35,10 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def pick(chain: BlockChain, idx: Any) -> BlockChain:
-    return BlockChain(*([part[i] for i in idx] for part in chain))
-
-
 class HybridPlans:
     """Lookups, load ops and save ops of a hybrid model for ``SchedulerSide``."""
 
@@ -141,7 +137,7 @@ class HybridPlans:
                 idx = real_positions(table[g], st.saved_full, full).tolist()
                 ids = [table[g][i] for i in idx]
             if idx:
-                self._save(req_id, side.ns, epoch, pick(chain, idx), ids, g)
+                self._save(req_id, side.ns, epoch, chain.pick(idx), ids, g)
         st.saved_full = max(st.saved_full, full)
 
     def _save(self, req_id: str, ns: Any, epoch: int, todo: BlockChain, ids: list[int], group: int) -> None:

@@ -70,7 +70,7 @@ class WorkerSide:
             self._layouts = [BlockLayout({n: self._caches[n] for n in names}, self._num_blocks, base_offset=base)
                              for names in groups]
             sizes = [layout.nbytes for layout in self._layouts]
-            if (max(sizes) != spec.rank_bytes) if spec.groups else (sizes[0] != spec.rank_bytes):
+            if max(sizes) != spec.rank_bytes:  # a slot's rank region fits the largest group's block
                 raise RuntimeError(f"kvstrata: worker blocks are {sizes} bytes per rank, "
                                    f"the scheduler expects {spec.rank_bytes}")
             self._arena, self._prefault = attach_shared_arena(spec.path, spec.num_slots, spec.slot_bytes)

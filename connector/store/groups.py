@@ -97,11 +97,6 @@ class _Group:
     asked: np.ndarray  # per block: bits of the backing tiers asked for its header in this lookup
 
 
-def pick(chain: BlockChain, idx: Sequence[int]) -> BlockChain:
-    """The blocks ``idx`` of ``chain`` (any order, gaps allowed): the index checks each block
-    against its own parent, so a chain need not be contiguous to be validated."""
-    return BlockChain(*([part[i] for i in idx] for part in chain))
-
 
 class GroupLookup:
     def __init__(self, parts: Parts) -> None:
@@ -219,7 +214,7 @@ class _Search:
             return
         taken = [i for i, row in zip(at, self.p.index.commit_many(good, tier.bit)) if row is not None]
         if taken:
-            g.valid[taken] = self.p.index.valid_mask(self.ns.seed, self.epoch, pick(g.chain, taken))
+            g.valid[taken] = self.p.index.valid_mask(self.ns.seed, self.epoch, g.chain.pick(taken))
 
     def fits(self, chain: BlockChain, i: int, meta: EntryMeta) -> bool:
         if (meta.ns_seed != self.ns.seed or meta.epoch != self.epoch or meta.parent != chain.parents[i]
