@@ -37,3 +37,8 @@ def test_bench_ttft_vllm_loads_all_but_the_last_token_with_the_cold_output(model
     assert out["details"]["cached_tokens"]["l2"] == [499]  # from disk, in a fresh engine process
     assert out["details"]["cached_tokens"]["l3"] == [499]  # from Redis, L1 and L2 empty
     assert out["outputs_identical"] is True, out["details"]["outputs"]
+    # Bytes stored per prompt token: the model's K and V (fp32) per layer, plus 128-byte headers
+    # and the slack of a partial tail: never twice the KV (as a copy per rank or a stray group would be).
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    assert 0.95 * kv <= out["stored_bytes_per_token"] < 1.3 * kv, (out["stored_bytes_per_token"], kv)

@@ -180,6 +180,15 @@ class Runner:
         return json.loads(result_path.read_text())
 
 
+def stored_per_token(result: dict, folder: Path, prompts: tuple[list[int], ...]) -> dict:
+    """``result`` with ``stored_bytes_per_token``: the bytes of the disk tier's block files (headers
+    included) once the ``l1`` engine has stored its prompts (the warm-up and the measured one), over
+    their tokens. What a model kind costs the tiers: every group's units, as stored."""
+    files = [f for f in folder.rglob("*.kvb") if f.is_file()]
+    result["stored_bytes_per_token"] = round(sum(f.stat().st_size for f in files) / sum(map(len, prompts)), 1)
+    return result
+
+
 def hit_steps(rounds: int) -> list[str]:
     return ["warmup", "store"] + ["reset", "time"] * rounds + ["reset", "output"]
 
@@ -288,11 +297,13 @@ def run(args: argparse.Namespace) -> dict:
 
     repeat = ["time"] * n + ["output"]
     l1_fills_l2 = "l1" in wanted and "l2" in wanted[wanted.index("l1"):]
+    l1_store = "l2" if l1_fills_l2 else "l1"
     plans = {
         "cold": lambda: runner.engine("cold", None, False, ["warmup"] + repeat),
         "native": lambda: runner.engine("native", None, True, ["warmup", "store"] + repeat),
         # l1 on l2's disk folder when both run: its "store" step fills it, one engine start fewer
-        "l1": lambda: runner.engine("l1", kv_config("l2" if l1_fills_l2 else "l1"), True, hit_steps(n)),
+        "l1": lambda: stored_per_token(runner.engine("l1", kv_config(l1_store), True, hit_steps(n)),
+                                       work / f"{l1_store}-store", (prompt, warmup)),
         "l2": lambda: run_fresh(runner, "l2", kv_config("l2"), n, stored="l1" in results),
         "l3": run_l3,
         "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer"), True, hit_steps(n)),
@@ -326,6 +337,7 @@ def summarize(results: dict, errors: dict, prompt_tokens: int, rounds: int, env:
     out: dict = {("cold_ms" if n == "cold" else f"{n}_hit_ms"): med.get(n) for n in CONFIGS}
     l1_cached = results.get("l1", {}).get("cached_tokens")
     out["hit_fraction"] = round(statistics.median(l1_cached) / prompt_tokens, 4) if l1_cached else None
+    out["stored_bytes_per_token"] = results.get("l1", {}).get("stored_bytes_per_token")
     outputs = {n: r["output"] for n, r in results.items()}
     out["outputs_identical"] = len({tuple(o) for o in outputs.values()}) == 1 if len(outputs) > 1 else None
     out["lmcache_error"] = errors.get("lmcache")
@@ -366,5 +378,6 @@ def print_table(summary: dict) -> None:
         else:
             print(f"{n:<9}{'-':>11}{'-':>8}  {d['errors'].get(n, 'not run')}")
     ratios = ", ".join(f"{a}/{b} {summary[f'{a}_over_{b}']}" for a, b in RATIOS)
-    print(f"hit_fraction {summary['hit_fraction']}, outputs_identical {summary['outputs_identical']}")
+    print(f"hit_fraction {summary['hit_fraction']}, outputs_identical {summary['outputs_identical']}, "
+          f"stored_bytes_per_token {summary['stored_bytes_per_token']}")
     print(f"ratios: {ratios}")
