@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+from kvstrata.config import ConfigError
 from kvstrata.keys import BlockChain, Namespace
 from kvstrata.store import BlockStore, ByteRuns, Hit, StoreProtocol
 
@@ -120,6 +121,17 @@ class StrataStorage(HiCacheStorage):
                           and self.store.arena.capacity_bytes < self.rows.pool_bytes)
         log.info("kvstrata: namespace %s (%s), %d-byte pages, %s", self.ns.id, self.ns.layout,
                  self.rows.page_bytes, "direct disk I/O" if self.bypass_l1 else "through L1")
+
+    def register_mem_host_pool_v2(self, host_pool: "HostKVCache", host_pool_name: str) -> None:
+        """SGLang's hybrid models (sliding-window or Mamba pools beside the KV pool) register their
+        other host pools here, then call ``batch_*_v2`` with per-pool hit rules. StrataStorage keys
+        and restores the KV pool alone, so it refuses at attach time (SGLang fails the start with
+        this message) rather than serve attention KV without the state that goes with it."""
+        raise ConfigError(
+            f"kvstrata: StrataStorage does not serve SGLang's hybrid host pool {host_pool_name!r} "
+            f"({type(host_pool).__name__}) yet: a hit would restore attention KV without that pool's "
+            "sliding-window or Mamba state. Serve this model with vLLM and StrataConnector, or without "
+            "--hicache-storage-backend")
 
     # -------------------------------------------------------------- keys
     def _require_pool(self) -> tuple[PageRows, Namespace]:

@@ -223,6 +223,17 @@ def test_storage_bad_kvstrata_key_is_a_config_error_naming_it(tmp_path):
         make_storage(tmp_path, **{"l2": {"path": str(tmp_path / "l2"), "colour": "blue"}})
 
 
+def test_storage_refuses_a_hybrid_models_other_host_pools_naming_them(tmp_path, storages):
+    """SGLang attaches a hybrid model's sliding-window or Mamba host pools with
+    ``register_mem_host_pool_v2``: StrataStorage restores the KV pool only, so it refuses."""
+    from kvstrata.config import ConfigError
+
+    s = make_storage(tmp_path)
+    storages.append(s)
+    with pytest.raises(ConfigError, match=r"hybrid host pool 'mamba' \(MHATokenToKVPoolHost\)"):
+        s.register_mem_host_pool_v2(_host_pool("layer_first"), "mamba")
+
+
 def test_storage_stats_are_sglang_metrics_with_kvstrata_counters(tmp_path, storages):
     from sglang.srt.observability.metrics_collector import StorageMetrics
 
