@@ -17,8 +17,9 @@
   storage backend see a dense model. With StrataStorage a prompt comes back from storage after
   ``/flush_cache`` with the cold run's output (SGLang's own ``file`` backend does the same). The
   test fails once SGLang gives the model hybrid SWA pools, which would reach StrataStorage through
-  the multi-pool interface it does not implement (``register_mem_host_pool_v2``,
-  ``batch_exists_v2``, ``batch_get_v2``, ``batch_set_v2``).
+  the multi-pool interface (``register_mem_host_pool_v2``, then ``batch_*_v2``): StrataStorage
+  refuses those pools at attach time with a clear error (sglang_storage_cases.py), rather than
+  restore attention KV without their state.
 
 One server at a time, each killed at the end; the SSM start fails in about 10 s.
 """
