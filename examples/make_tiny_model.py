@@ -1,6 +1,6 @@
 """Build a small random-weight model folder for tests and benchmarks, with no network.
 
-Usage: python examples/make_tiny_model.py OUT_DIR [--preset tiny|small|hybrid-swa|hybrid-ssm]
+Usage: python examples/make_tiny_model.py OUT_DIR [--preset tiny|small|hybrid-swa|hybrid-ssm|mla]
 
 Trains a byte-level BPE tokenizer on deterministically generated text, wraps it in a
 PreTrainedTokenizerFast with a chat template, builds a model with random weights (bf16, or the
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3NextConfig,
-                          Qwen3NextForCausalLM)
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 log = logging.getLogger("build_model")
 
@@ -64,6 +64,17 @@ PRESETS = {
         TINY, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
         linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
         shared_expert_intermediate_size=128, layer_types=["linear_attention"] * 3 + ["full_attention"])),
+    # DeepSeek-V2: multi-head latent attention (MLA: one latent of kv_lora_rank + qk_rope_head_dim
+    # per token and layer, the same on every tensor-parallel rank), 2 layers (1 dense MLP, 1 MoE of
+    # 4 routed experts and 1 shared). DeepSeek's own head shapes: vLLM's CPU MLA backend refuses
+    # smaller ones ("Head dimension 96 is not supported by MLA"); its CPU MoE router needs n_group
+    # and topk_group set. fp32, as hybrid-swa. vLLM's CPU build runs it with block size 16 and its
+    # own prefix caching off.
+    "mla": Preset(DeepseekV2Config, DeepseekV2ForCausalLM, 3072, dict(
+        TINY, num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
+        n_group=1, topk_group=1, torch_dtype="float32"), torch.float32),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json", "model.safetensors")
 
