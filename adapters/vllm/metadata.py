@@ -23,6 +23,9 @@ class ArenaSpec:
     # A hybrid model's KV cache groups (layer names of each; None: one group, every layer): a slot
     # holds one block of one group, the group's layers at the start of the rank's region.
     groups: list[tuple[str, ...]] | None = None
+    # MLA: every rank holds the same latent, so a slot is one rank region that every rank reads
+    # and rank 0 alone writes (slot_bytes == rank_bytes).
+    shared: bool = False
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """What a vLLM engine's blocks are keyed on, and where its L1 arena lives.
 
 Owns the namespace derivation (model and weights version, KV dtype, device layout, block size,
-parallel group), the per-request identity that is not in the tokens (``request_extra``), and the
-arena's name in ``/dev/shm`` (``KVSTRATA_SHM_DIR``) with the clean-up of arenas whose engine died.
+parallel group), whether a block is stored once for every tensor-parallel rank (``latent_shared``:
+MLA), the per-request identity that is not in the tokens (``request_extra``), and the arena's name
+in ``/dev/shm`` (``KVSTRATA_SHM_DIR``) with the clean-up of arenas whose engine died.
 """
 
 from __future__ import annotations
@@ -48,6 +49,22 @@ def _device_layout(vllm_config: "VllmConfig") -> str:
     return f"{kind}:{backend or 'auto'}"
 
 
+def latent_shared(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> bool:
+    """True for an MLA model whose latent KV every tensor-parallel rank holds whole and identical:
+    one copy of a block serves every rank, so it is stored once (rank 0 writes it, every rank reads
+    it) and keyed apart from the TP degree. vLLM's own offloading connector stores such a block once
+    on the same test (``offloading/config.py``, ``replicated_layout``): an MLA spec, and
+    ``kv_tp_replicas`` (the consecutive ranks vLLM computed to hold identical KV for every layer)
+    equal to the TP degree; anything that shards the latent (decode context parallelism) keeps one
+    region per rank. One KV cache group only: hybrid models keep their per-rank layout."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return (len(groups) == 1 and isinstance(groups[0].kv_cache_spec, MLAAttentionSpec)
+            and getattr(kv_cache_config, "kv_tp_replicas", 1) == tp)
+
+
 def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: StrataConfig) -> Namespace:
     model = vllm_config.model_config
     version = resolve_model_version(cfg.namespace.model_version, model.model, model.revision,
@@ -60,6 +77,11 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
     if len(kv_cache_config.kv_cache_groups) > 1:  # a hybrid model: every group's kind, window and layers
         layout += ";groups=" + ",".join(g.tag.hex()[:16] for g in group_layouts(kv_cache_config))
     par = vllm_config.parallel_config
+    # MLA: one copy of the latent for every rank, so the same blocks at any TP degree. Otherwise a
+    # slot holds every rank's shard, and the namespace covers the whole parallel group.
+    shared = latent_shared(vllm_config, kv_cache_config)
+    if shared:
+        layout += ";mla"
     return Namespace(
         engine="vllm",
         model=model.model,
@@ -67,8 +89,8 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
         kv_dtype=_kv_dtype(vllm_config),
         layout=layout,
         block_size=vllm_config.cache_config.block_size,
-        rank=0,  # a slot holds every rank's shard: the namespace covers the whole parallel group
-        world_size=par.tensor_parallel_size,
+        rank=0,
+        world_size=1 if shared else par.tensor_parallel_size,
         tenant=cfg.namespace.tenant,
         extra={"pp": str(par.pipeline_parallel_size)},
     )

@@ -20,6 +20,9 @@ settled only when every rank has reported it:
   blocks are committed to the index when every rank reports its copy done (aborted if any rank
   failed: a block missing one shard is never served). Nothing waits for a request to finish, so
   no block is ever held back from the engine.
+- MLA (``namespace.latent_shared``): every rank holds the same latent, so a slot holds one copy.
+  Rank 0 alone writes it, and a save is settled by rank 0's report (the only writer: its report
+  means the slot is whole); every rank reads that copy, and a load still waits for all of them.
 
 Over 300 lines because lookup, staging, save planning and settling all work on one per-request
 state (``_Pending``) and one table of in-flight ops; split apart, each would reach into the others.
@@ -45,7 +48,7 @@ from .groups import group_layouts
 from .hybrid import HybridPlans
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
 from .metrics import StatsCollector
-from .namespace import namespace_for, new_arena_path, request_extra
+from .namespace import latent_shared, namespace_for, new_arena_path, request_extra
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -115,13 +118,15 @@ class SchedulerSide:
         else:
             group = kv_cache_config.kv_cache_groups[0]
             rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        slot_bytes = rank_bytes * par.tensor_parallel_size
+        shared = latent_shared(vllm_config, kv_cache_config)  # MLA: one copy for every rank
+        slot_bytes = rank_bytes if shared else rank_bytes * par.tensor_parallel_size
         path = new_arena_path()
         self.store: StoreProtocol = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
         self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
         atexit.register(self.store.arena.unlink)  # unlink the arena even if vLLM never calls shutdown
-        self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes, groups)
+        self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes, groups, shared)
         self._ranks = par.tensor_parallel_size
+        self._writers = 1 if shared else self._ranks  # ranks 0..n-1 write a save's slots
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._inline_bytes = cfg.l1.stage_inline_bytes
         self._lock = threading.Lock()  # staging jobs finish on the store's background thread
@@ -138,8 +143,8 @@ class SchedulerSide:
         if events_cfg is not None and events_cfg.enable_kv_cache_events and self._hybrid is None:
             self.events = KVEvents(self.block_size, self.store.tier_bits)
             self.store.listen(self.events.on_tier_change)
-        log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s", self.ns.id,
-                 self.ns.model, self.arena.num_slots, slot_bytes, path)
+        log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s%s", self.ns.id, self.ns.model,
+                 self.arena.num_slots, slot_bytes, path, "; MLA: one copy for every rank" if shared else "")
 
     # -- lookup
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -265,8 +270,10 @@ class SchedulerSide:
 
     def _track(self, op: CopyOp, *, hit: Hit | None = None, reservation: Reservation | None = None) -> None:
         """Op ``op`` is sent to every rank: settle it (unpin ``hit``, publish ``reservation``) when
-        every rank has reported it."""
-        self._inflight[op.op_id] = _InFlight(set(range(self._ranks)), reservation=reservation, hit=hit)
+        every rank that copies it has reported it: a load, every rank (each reads the slots); a
+        save, every rank that writes a part of the slots (rank 0 alone for a shared latent)."""
+        ranks = self._writers if reservation is not None else self._ranks
+        self._inflight[op.op_id] = _InFlight(set(range(ranks)), reservation=reservation, hit=hit)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():

@@ -3,9 +3,11 @@
 Maps the scheduler's arena (``attach_shared_arena``) at the first step, so the scheduler can unlink
 its file, and copies whole blocks between the arena and the KV cache with one batched index
 operation per layer (``kvstrata.blockcopy``). A slot holds one vLLM block for all layers of all
-tensor-parallel ranks (rank r writes its own region). After each step it reports the ops it has
-finished, keyed by its rank (``StrataWorkerMetadata``); a failed load is reported both as done
-(so its pin goes) and through ``get_block_ids_with_load_errors`` (so vLLM recomputes the blocks).
+tensor-parallel ranks (rank r writes its own region); for an MLA model (``ArenaSpec.shared``) it
+holds the one latent every rank has: rank 0 writes it, every rank reads it. After each step it
+reports the ops it has finished, keyed by its rank (``StrataWorkerMetadata``); a failed load is
+reported both as done (so its pin goes) and through ``get_block_ids_with_load_errors`` (so vLLM
+recomputes the blocks).
 
 A hybrid model (several KV cache groups) has one ``BlockLayout`` per group, over that group's
 layers: a slot holds one block of one group, and an op names its group. Its loads are
@@ -65,7 +67,7 @@ class WorkerSide:
 
     def _attach(self, spec: ArenaSpec) -> torch.Tensor:
         if self._arena is None or self._arena_path != spec.path:
-            base = self._rank * spec.rank_bytes
+            base = 0 if spec.shared else self._rank * spec.rank_bytes
             groups = spec.groups or [tuple(self._caches)]
             self._layouts = [BlockLayout({n: self._caches[n] for n in names}, self._num_blocks, base_offset=base)
                              for names in groups]
@@ -111,8 +113,8 @@ class WorkerSide:
             layout.wait_layer(layer_name)
 
     def wait_for_save(self, meta: StrataMetadata) -> None:
-        if not meta.saves:
-            return
+        if not meta.saves or (meta.arena.shared and self._rank != 0):
+            return  # a shared latent: rank 0 writes it, and the scheduler waits for rank 0 alone
         arena = self._attach(meta.arena)
         self._prefault.ahead_of((max((max(op.slots) for op in meta.saves if op.slots), default=0) + 1)
                                 * meta.arena.slot_bytes)

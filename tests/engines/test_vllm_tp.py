@@ -33,7 +33,9 @@ class RankHarness:
     ``schedule()`` plans the copies, ``report(out, per_rank_meta)`` feeds back what each rank's
     worker reported, merged by vLLM's own KVOutputAggregator as the multiprocess executor does."""
 
-    def __init__(self, model_dir: str, tmp: Path) -> None:
+    def __init__(self, model_dir: str, tmp: Path, spec=None, replicas: int = 1) -> None:  # noqa: ANN001
+        """``spec``: the KV cache spec of the model's one group (default: 1 KV head of 64, bf16);
+        ``replicas``: vLLM's ``kv_tp_replicas`` (TP ranks holding identical KV: ``TP`` for MLA)."""
         import torch
         from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                                  SchedulerConfig, VllmConfig)
@@ -56,10 +58,11 @@ class RankHarness:
                 kv_connector="StrataConnector", kv_role="kv_both", kv_connector_module_path="kvstrata.adapters.vllm",
                 kv_connector_extra_config={"config_file": str(cfg)}))
         vllm_config.cache_config.num_gpu_blocks = 64
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+        spec = spec or FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
         kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+        kv_cache_config.kv_tp_replicas = replicas
         self.scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(vllm_config), block_size=BS)
         self.side = self.scheduler.connector._sched
