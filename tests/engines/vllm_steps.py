@@ -7,7 +7,9 @@ by a test directly: ``python vllm_steps.py SPEC.json``. The engine is built once
 
 SPEC: {"model": DIR, "config": YAML or null (no connector), "mp": bool (separate EngineCore and
 worker processes), "tp": int (tensor-parallel ranks, one worker process each), "block_size": int,
-"module_path": bool (name the connector's module, else the plugin entry point finds it)}.
+"module_path": bool (name the connector's module, else the plugin entry point finds it),
+"speculative": dict|null (vLLM's speculative_config, e.g. {"method": "ngram", ...}; null: none),
+"pp": int (pipeline-parallel stages, default 1)}.
 
 Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null, "logprobs": k|null} ->
 {"tokens", "cached", "ms"} (and "top": the k highest logprobs of each generated token); {"op": "generate", "prompts": [[ids], ...]} -> {"tokens": [[...]], "cached":
@@ -15,7 +17,8 @@ Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null, "l
 {"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
 (in-process EngineCore only); {"op": "kv_groups"} -> {"num_blocks", "groups": [[spec class, block
 size], ...]}; {"op": "group_keys", "prompt": [ids], "salt": str|null} -> {"kinds", "keys": per group, the
-hex keys of the prompt's full blocks} (a hybrid model's; both in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "arenas", "children": bool} ->
+hex keys of the prompt's full blocks} (a hybrid model's; both in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "spec_stats"} -> {"drafts", "draft_tokens",
+"accepted_tokens"}: vLLM's speculative-decoding counters so far ("speculative" engines); {"op": "arenas", "children": bool} ->
 {"names"}: kvstrata's L1 arena files in /dev/shm created by this process or (by default) its
 children (the EngineCore when "mp"). Greedy decoding throughout.
 """
@@ -47,11 +50,11 @@ def _own_arenas(children: bool) -> list[str]:
 
 
 def build(spec: dict):
-    tp = spec.get("tp", 1)
-    if not spec.get("mp") or tp > 1:  # TP: EngineCore here, the ranks' workers in processes of their own
+    tp, pp = spec.get("tp", 1), spec.get("pp", 1)
+    if not spec.get("mp") or tp * pp > 1:  # TP/PP: EngineCore here, the ranks' workers in processes of their own
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                          "nobind" if tp == 1 else "|".join(str(r % os.cpu_count()) for r in range(tp)))
+                          "nobind" if tp * pp == 1 else "|".join(str(r % os.cpu_count()) for r in range(tp * pp)))
     from vllm import LLM
 
     ktc = None
@@ -63,7 +66,9 @@ def build(spec: dict):
             ktc["kv_connector_module_path"] = "kvstrata.adapters.vllm"
     return LLM(model=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
                max_model_len=4096, kv_transfer_config=ktc, enable_prefix_caching=True, seed=0,
-               tensor_parallel_size=tp, dtype=spec.get("dtype", "auto"))
+               tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=spec.get("dtype", "auto"),
+               speculative_config=spec.get("speculative"),
+               disable_log_stats=not spec.get("speculative"))  # the spec_stats step reads vLLM's metrics
 
 
 def step(llm, op: dict) -> dict:
@@ -109,6 +114,10 @@ def step(llm, op: dict) -> dict:
         return {"kinds": [g.kind for g in sched._hybrid.layouts],
                 "keys": [[k.hex() for k in store.group_chain(ns, epoch, g.tag, op["prompt"], extra).keys]
                          for g in sched._hybrid.layouts]}
+    if op["op"] == "spec_stats":  # vLLM's speculative-decoding counters so far (an engine with "speculative")
+        names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+        return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
     if op["op"] == "counters":
         store = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.store
         store.wait_recovered(120)  # settled figures: the background L2 scan's counts included
