@@ -83,3 +83,32 @@ def test_an_mla_latent_sharded_across_ranks_keeps_one_region_per_rank(tmp_path):
     assert sharded.world_size == 2 and "mla" not in sharded.layout
     assert sharded.seed != ns_of(MLA, 1, 1, tmp_path).seed
     assert not namespace.latent_shared(vllm_config(2), kv_cache_config(MLA, 1))
+
+
+def with_speculation(method: str, draft: str) -> SimpleNamespace:
+    config = vllm_config(1)
+    config.speculative_config = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(model=draft,
+                                                                                                  revision=None))
+    return config
+
+
+def test_a_draft_with_kv_is_part_of_the_namespace_and_ngram_is_not(tmp_path):
+    """Scenario: EAGLE's head is one more attention layer in the target's KV cache group, so its KV
+    is in every stored block: engines with different heads (same shapes) must not exchange blocks,
+    while n-gram speculation keeps no KV and shares the blocks of an engine without speculation."""
+    drafts = []
+    for name in ("head-a", "head-b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(name.encode() * 1000)
+        drafts.append(str(folder))
+    cfg = make_config(tmp_path, namespace__model_version="v1")
+    kv = kv_cache_config(DENSE, 1)
+    seed = {key: namespace.namespace_for(config, kv, cfg).seed.hex() for key, config in {
+        "alone": vllm_config(1), "ngram": with_speculation("ngram", "/models/m"),
+        "a": with_speculation("eagle", drafts[0]), "a again": with_speculation("eagle", drafts[0]),
+        "b": with_speculation("eagle", drafts[1]), "a as eagle3": with_speculation("eagle3", drafts[0])}.items()}
+    assert seed["alone"] == seed["ngram"] == DENSE_SEEDS[1]
+    assert seed["a"] == seed["a again"]
+    assert len({seed["alone"], seed["a"], seed["b"], seed["a as eagle3"]}) == 4

@@ -1,9 +1,10 @@
 """What a vLLM engine's blocks are keyed on, and where its L1 arena lives.
 
 Owns the namespace derivation (model and weights version, KV dtype, device layout, block size,
-parallel group), whether a block is stored once for every tensor-parallel rank (``latent_shared``:
-MLA), the per-request identity that is not in the tokens (``request_extra``), and the arena's name
-in ``/dev/shm`` (``KVSTRATA_SHM_DIR``) with the clean-up of arenas whose engine died.
+parallel group, a speculative draft whose layers keep KV in the blocks: ``draft_identity``),
+whether a block is stored once for every tensor-parallel rank (``latent_shared``: MLA), the
+per-request identity that is not in the tokens (``request_extra``), and the arena's name in
+``/dev/shm`` (``KVSTRATA_SHM_DIR``) with the clean-up of arenas whose engine died.
 """
 
 from __future__ import annotations
@@ -65,6 +66,26 @@ def latent_shared(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
             and getattr(kv_cache_config, "kv_tp_replicas", 1) == tp)
 
 
+# Speculative methods whose proposer keeps no KV (it drafts from the token ids): the blocks are the
+# target model's alone, as without speculation. Any other method (EAGLE, EAGLE-3, MTP, a draft
+# model, ...) runs draft layers whose KV vLLM keeps in the same blocks.
+NO_DRAFT_KV = frozenset({"ngram", "ngram_gpu", "suffix"})
+
+
+def draft_identity(vllm_config: "VllmConfig") -> dict[str, str]:
+    """``{"draft": method, model and weights version}`` when speculative decoding runs draft layers
+    whose KV shares the target's blocks (EAGLE's head is one more layer in the target's KV cache
+    group), so that engines with different drafts never exchange blocks; else nothing. The
+    draft's version is always read from its files (``namespace.model_version`` pins the target's)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method in NO_DRAFT_KV:
+        return {}
+    draft = spec.draft_model_config
+    version = resolve_model_version(None, draft.model, draft.revision,
+                                    hub_cache=vllm_config.load_config.download_dir)
+    return {"draft": f"{spec.method}:{draft.model}:{version}"}
+
+
 def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: StrataConfig) -> Namespace:
     model = vllm_config.model_config
     version = resolve_model_version(cfg.namespace.model_version, model.model, model.revision,
@@ -92,7 +113,7 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
         rank=0,
         world_size=1 if shared else par.tensor_parallel_size,
         tenant=cfg.namespace.tenant,
-        extra={"pp": str(par.pipeline_parallel_size)},
+        extra={"pp": str(par.pipeline_parallel_size), **draft_identity(vllm_config)},
     )
 
 
