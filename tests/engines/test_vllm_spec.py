@@ -1,4 +1,4 @@
-"""Speculative decoding on the real vLLM engine with kvstrata (issue 29): n-gram speculation.
+"""Speculative decoding on the real vLLM engine with kvstrata (issue 29): n-gram and EAGLE.
 
 vLLM's n-gram proposer (no draft model, so no draft KV) drafts 3 tokens from the request's own
 context; the target model verifies them in one forward pass, so a step computes KV for draft
@@ -11,9 +11,23 @@ cold, again after vLLM's own prefix cache is reset (kvstrata's CPU tier), and a 
 (the prompt, its output, new tokens) whose blocks past the prompt were completed by the
 speculating decode; the second, fresh, serves both from disk. Outputs equal vLLM alone without
 speculation (``baseline``).
+
+EAGLE: a tiny random EAGLE-1 head (``eagle_head``: one Llama decoder layer and ``fc``) built beside
+the tiny model. vLLM 0.32's CPU build runs it, and puts the head's attention layer in the target's
+one KV cache group (not an ``is_eagle_group``): kvstrata's blocks hold 5 layers, the head's KV
+included, copied after vLLM has run the drafter in the step (it defers ``wait_for_save`` when
+speculating). The namespace names the head (``namespace.draft_identity``). The head passes the
+target's hidden state through and adds its attention, so what it drafts, and how much of it vLLM
+accepts, depends on the head's KV over the prompt: a load that zeroed the head's KV took the
+accepted tokens of the prompt's repeat from 7 to 35 (and its drafts from 66 to 38) when this was
+written. The loaded run must draft and accept as the cold run did, within 2.
 """
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +89,71 @@ def test_fresh_speculating_engine_loads_both_from_disk_with_vllms_outputs(ngram_
     assert counters["hit_blocks_l2"] == PROMPT_BLOCKS
     assert follow["cached"] == len(PROMPT) + DECODE + len(NEW_TURN) - 1  # as the first engine stored the whole turn
     assert follow["tokens"] == ngram_runs["alone_follow_up"]
+
+
+# ------------------------------------------------------------------------------------ EAGLE
+def eagle_head(target: str, out: Path) -> str:
+    """An EAGLE-1 head for the tiny Llama (vLLM's ``EagleLlamaForCausalLM``; embeddings and LM head
+    shared with the target): ``fc`` passes the target's hidden state through, one decoder layer adds
+    a random attention (its KV: 2 heads of 64, as the target's) and no MLP. So its drafts are the
+    target's next token, moved by attention over the context."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(target) / name, out / name)
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    gen_ = torch.Generator().manual_seed(0)
+
+    def rand(std: float, *shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen_) * std).to(torch.bfloat16)
+
+    fc = torch.zeros(h, 2 * h, dtype=torch.bfloat16)
+    fc[:, h:] = torch.eye(h)  # [token embedding | target hidden] -> the target hidden
+    layer = "layers.0."
+    weights = {"fc.weight": fc,
+               layer + "self_attn.q_proj.weight": rand(0.1, q, h), layer + "self_attn.k_proj.weight": rand(0.1, kv, h),
+               layer + "self_attn.v_proj.weight": rand(0.1, kv, h), layer + "self_attn.o_proj.weight": rand(0.05, h, q),
+               layer + "mlp.gate_proj.weight": torch.zeros(inter, h, dtype=torch.bfloat16),
+               layer + "mlp.up_proj.weight": torch.zeros(inter, h, dtype=torch.bfloat16),
+               layer + "mlp.down_proj.weight": torch.zeros(h, inter, dtype=torch.bfloat16),
+               layer + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+LAYER_PAGE = BS * 2 * 2 * 64 * 2  # one layer's block: 2 KV heads, K and V of 64, bf16
+
+
+@pytest.fixture(scope="module")
+def eagle_runs(model, baseline, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("eagle")
+    spec = {"method": "eagle", "model": eagle_head(model, tmp / "head"), "num_speculative_tokens": 3}
+    runs: dict = {"alone": baseline(PROMPT, DECODE)}
+    stats, counters = {"op": "spec_stats"}, {"op": "counters"}
+    with StepEngine(model, tmp, disk_config(tmp), name="eagle", speculative=spec) as engine:
+        runs["steps"] = engine.run([stats, gen(PROMPT, max_tokens=DECODE), stats, counters, {"op": "reset"},
+                                    gen(PROMPT, max_tokens=DECODE), stats, counters])
+    print("eagle:", [r for r in runs["steps"] if "drafts" in r])
+    return runs
+
+
+@pytest.mark.timeout(600)
+def test_eagle_heads_kv_is_stored_with_the_block_and_served_as_computed(eagle_runs):
+    stats0, cold, stats1, counted, _, again, stats2, served = eagle_runs["steps"]
+    assert cold["cached"] == 0 and cold["tokens"] == eagle_runs["alone"]
+    assert again["cached"] == len(PROMPT) - 1 and again["tokens"] == eagle_runs["alone"]
+    assert delta(served, counted).get("hit_blocks_l1") == PROMPT_BLOCKS
+    # Every block holds the target's 4 layers and the head's.
+    assert counted["l1_bytes_written"] == counted["saved_blocks"] * 5 * LAYER_PAGE
+    # The head drafted and vLLM accepted as in the cold run: its KV over the prompt is the same. Not
+    # to the token: the cold run computed the last prompt position in a batch of 600, the loaded
+    # one alone, and bf16 results of the two differ in the last bits (drafts: 65 cold, 66 loaded).
+    cold_spec, loaded_spec = delta(stats1, stats0), delta(stats2, stats1)
+    assert cold_spec["drafts"] > DECODE // 2 and cold_spec.get("accepted_tokens", 0) > 0
+    for name in ("drafts", "accepted_tokens"):
+        assert abs(loaded_spec.get(name, 0) - cold_spec.get(name, 0)) <= 2, (loaded_spec, cold_spec)
