@@ -19,13 +19,17 @@ class ArenaSpec:
     path: str
     num_slots: int
     slot_bytes: int
-    rank_bytes: int  # one tensor-parallel rank's region of a slot
+    rank_bytes: int  # one tensor-parallel rank's region of a slot (every pipeline stage's layers)
     # A hybrid model's KV cache groups (layer names of each; None: one group, every layer): a slot
     # holds one block of one group, the group's layers at the start of the rank's region.
     groups: list[tuple[str, ...]] | None = None
     # MLA: every rank holds the same latent, so a slot is one rank region that every rank reads
     # and rank 0 alone writes (slot_bytes == rank_bytes).
     shared: bool = False
+    # Pipeline parallelism: a rank region's bytes on each stage, in stage order (empty: one stage).
+    # Stage s writes and reads its own layers at sum(stage_bytes[:s]) within the rank's region, so
+    # a slot is laid out as without pipeline parallelism.
+    stage_bytes: tuple[int, ...] = ()
 
 
 @dataclass

@@ -20,6 +20,10 @@ settled only when every rank has reported it:
   blocks are committed to the index when every rank reports its copy done (aborted if any rank
   failed: a block missing one shard is never served). Nothing waits for a request to finish, so
   no block is ever held back from the engine.
+- Pipeline parallelism: every stage's workers are ranks of their own (pipeline stage * TP degree +
+  TP rank) that copy their own layers; a save is committed when every stage has written its part,
+  and a load's pin goes when every stage has read its part. A block is one unit in every tier, so
+  a hit always covers every stage (``pipeline_stage_bytes``).
 - MLA (``namespace.latent_shared``): every rank holds the same latent, so a slot holds one copy.
   Rank 0 alone writes it, and a save is settled by rank 0's report (the only writer: its report
   means the slot is whole); every rank reads that copy, and a load still waits for all of them.
@@ -48,7 +52,7 @@ from .groups import group_layouts
 from .hybrid import HybridPlans
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
 from .metrics import StatsCollector
-from .namespace import latent_shared, namespace_for, new_arena_path, request_extra
+from .namespace import draft_identity, latent_shared, namespace_for, new_arena_path, request_extra
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,14 +103,36 @@ class _InFlight:
     hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
 
 
+def pipeline_stage_bytes(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", first: int) -> tuple[int, ...]:
+    """Bytes of one block's layers on each pipeline stage (one TP rank's share), in stage order.
+
+    vLLM hands the scheduler the first stage's KV cache config (``first``: its bytes); the other
+    stages' layers follow from vLLM's own partition of the decoder layers (``get_pp_indices``,
+    which honours ``VLLM_PP_LAYER_PARTITION``), one attention layer per decoder layer. Refused
+    where that does not hold or a block is more than one group of one page per layer: hybrid
+    models, draft layers of speculative decoding (EAGLE's sit on the last stage alone)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if len(kv_cache_config.kv_cache_groups) > 1 or draft_identity(vllm_config):
+        raise ConfigError("kvstrata: pipeline parallelism is supported for models with one KV cache group and no "
+                          "speculative draft layers")
+    group = kv_cache_config.kv_cache_groups[0]
+    page = group.kv_cache_spec.page_size_bytes
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    layers = [end - start for start, end in (get_pp_indices(total, stage, pp) for stage in range(pp))]
+    if layers[0] * page != first:
+        raise ConfigError(f"kvstrata: the first pipeline stage holds {first // page} KV layers, vLLM's partition of "
+                          f"{total} layers into {pp} stages gives it {layers[0]}: cannot place the other stages")
+    return tuple(n * page for n in layers)
+
+
 class SchedulerSide:
     """The scheduler role of ``StrataConnector``, in EngineCore: see the module docstring."""
 
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
         cfg = load_engine_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         par = vllm_config.parallel_config
-        if par.pipeline_parallel_size > 1:
-            raise ConfigError("kvstrata: pipeline parallelism is not supported yet (pipeline_parallel_size > 1)")
         self.ns = namespace_for(vllm_config, kv_cache_config, cfg)
         self.block_size = vllm_config.cache_config.block_size
         groups = None
@@ -119,14 +145,18 @@ class SchedulerSide:
             group = kv_cache_config.kv_cache_groups[0]
             rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         shared = latent_shared(vllm_config, kv_cache_config)  # MLA: one copy for every rank
-        slot_bytes = rank_bytes if shared else rank_bytes * par.tensor_parallel_size
+        tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+        stage_bytes = pipeline_stage_bytes(vllm_config, kv_cache_config, rank_bytes) if pp > 1 else ()
+        rank_bytes = sum(stage_bytes) or rank_bytes  # one TP rank's region holds every stage's layers
+        slot_bytes = rank_bytes if shared else rank_bytes * tp
         path = new_arena_path()
         self.store: StoreProtocol = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
         self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
         atexit.register(self.store.arena.unlink)  # unlink the arena even if vLLM never calls shutdown
-        self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes, groups, shared)
-        self._ranks = par.tensor_parallel_size
-        self._writers = 1 if shared else self._ranks  # ranks 0..n-1 write a save's slots
+        self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes, groups, shared, stage_bytes)
+        self._ranks = tp * pp  # workers, ranked pp_rank * tp + tp_rank
+        # Workers that write a save's slots: all, or for a shared latent TP rank 0 of every stage.
+        self._writers = frozenset(range(0, self._ranks, tp) if shared else range(self._ranks))
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._inline_bytes = cfg.l1.stage_inline_bytes
         self._lock = threading.Lock()  # staging jobs finish on the store's background thread
@@ -272,8 +302,8 @@ class SchedulerSide:
         """Op ``op`` is sent to every rank: settle it (unpin ``hit``, publish ``reservation``) when
         every rank that copies it has reported it: a load, every rank (each reads the slots); a
         save, every rank that writes a part of the slots (rank 0 alone for a shared latent)."""
-        ranks = self._writers if reservation is not None else self._ranks
-        self._inflight[op.op_id] = _InFlight(set(range(ranks)), reservation=reservation, hit=hit)
+        ranks = self._writers if reservation is not None else range(self._ranks)
+        self._inflight[op.op_id] = _InFlight(set(ranks), reservation=reservation, hit=hit)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():

@@ -4,8 +4,11 @@ Maps the scheduler's arena (``attach_shared_arena``) at the first step, so the s
 its file, and copies whole blocks between the arena and the KV cache with one batched index
 operation per layer (``kvstrata.blockcopy``). A slot holds one vLLM block for all layers of all
 tensor-parallel ranks (rank r writes its own region); for an MLA model (``ArenaSpec.shared``) it
-holds the one latent every rank has: rank 0 writes it, every rank reads it. After each step it
-reports the ops it has finished, keyed by its rank (``StrataWorkerMetadata``); a failed load is
+holds the one latent every rank has: rank 0 writes it, every rank reads it. With pipeline
+parallelism each stage's workers copy their own layers, at the stage's offset within a rank's
+region (``ArenaSpec.stage_bytes``), so a slot is laid out as with one stage. After each step it
+reports the ops it has finished, keyed by its rank (pipeline stage * TP degree + TP rank:
+``StrataWorkerMetadata``); a failed load is
 reported both as done (so its pin goes) and through ``get_block_ids_with_load_errors`` (so vLLM
 recomputes the blocks).
 
@@ -46,7 +49,7 @@ class WorkerSide:
         self._arena: torch.Tensor | None = None
         self._prefault: Any = None  # the arena's Prefaulter for the worker's mapping
         self._arena_path = ""
-        self._rank = 0
+        self._rank = self._tp_rank = self._stage = 0  # rank: pipeline stage * TP degree + TP rank
         self._saved: set[int] = set()
         self._failed: set[int] = set()
         self._loaded: set[int] = set()
@@ -58,23 +61,26 @@ class WorkerSide:
         self._bytes_read = 0  # this rank's bytes copied out of L1
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
+                                                     get_tensor_model_parallel_world_size)
 
-        self._rank = get_tensor_model_parallel_rank()
+        self._tp_rank, self._stage = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+        self._rank = self._stage * get_tensor_model_parallel_world_size() + self._tp_rank  # the scheduler's rank
         self._caches = kv_caches
         log.info("kvstrata worker: %d KV layers, first %s %s", len(kv_caches),
                  next(iter(kv_caches)), tuple(next(iter(kv_caches.values())).shape))
 
     def _attach(self, spec: ArenaSpec) -> torch.Tensor:
         if self._arena is None or self._arena_path != spec.path:
-            base = 0 if spec.shared else self._rank * spec.rank_bytes
+            stages = spec.stage_bytes or (spec.rank_bytes,)  # this rank's share of a block, per pipeline stage
+            base = (0 if spec.shared else self._tp_rank * spec.rank_bytes) + sum(stages[: self._stage])
             groups = spec.groups or [tuple(self._caches)]
             self._layouts = [BlockLayout({n: self._caches[n] for n in names}, self._num_blocks, base_offset=base)
                              for names in groups]
             sizes = [layout.nbytes for layout in self._layouts]
-            if max(sizes) != spec.rank_bytes:  # a slot's rank region fits the largest group's block
+            if max(sizes) != stages[self._stage]:  # a slot's rank region fits the largest group's block
                 raise RuntimeError(f"kvstrata: worker blocks are {sizes} bytes per rank, "
-                                   f"the scheduler expects {spec.rank_bytes}")
+                                   f"the scheduler expects {stages[self._stage]}")
             self._arena, self._prefault = attach_shared_arena(spec.path, spec.num_slots, spec.slot_bytes)
             if self._layouts[0].device.type == "cuda":
                 torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
@@ -106,15 +112,16 @@ class WorkerSide:
             # staging buffer is still queued), so the scheduler may unpin them after this step.
             self._loaded.add(op.op_id)
         self._load_s.append(time.perf_counter() - started)
-        self._bytes_read += sum(len(op.slots) for op in meta.loads) * meta.arena.rank_bytes
+        self._bytes_read += (sum(len(op.slots) for op in meta.loads)
+                             * (meta.arena.stage_bytes or (meta.arena.rank_bytes,))[self._stage])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         for layout in self._layouts:
             layout.wait_layer(layer_name)
 
     def wait_for_save(self, meta: StrataMetadata) -> None:
-        if not meta.saves or (meta.arena.shared and self._rank != 0):
-            return  # a shared latent: rank 0 writes it, and the scheduler waits for rank 0 alone
+        if not meta.saves or (meta.arena.shared and self._tp_rank != 0):
+            return  # a shared latent: TP rank 0 writes it, and the scheduler waits for it alone
         arena = self._attach(meta.arena)
         self._prefault.ahead_of((max((max(op.slots) for op in meta.saves if op.slots), default=0) + 1)
                                 * meta.arena.slot_bytes)

@@ -157,13 +157,14 @@ class StepEngine:
     def __init__(self, model: str, log_dir: Path, config: Path | None = None, *, name: str = "engine",
                  mp: bool = False, tp: int = 1, module_path: bool = True, dtype: str = "auto",
                  env: dict[str, str] | None = None, prefix: Sequence[str] = (), block_size: int = BS,
-                 speculative: dict[str, Any] | None = None, pp: int = 1) -> None:
+                 speculative: dict[str, Any] | None = None, pp: int = 1,
+                 compilation: dict[str, Any] | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         tag = f"{name}-{os.urandom(3).hex()}"
         spec = log_dir / f"{tag}.json"
         spec.write_text(json.dumps({"model": model, "config": str(config) if config else None, "mp": mp, "tp": tp,
                                     "block_size": block_size, "module_path": module_path, "dtype": dtype,
-                                    "speculative": speculative, "pp": pp}))
+                                    "speculative": speculative, "pp": pp, "compilation": compilation}))
         self.log_path = log_dir / f"{tag}.log"
         self.config, self.name = config, name
         self._log = open(self.log_path, "w")

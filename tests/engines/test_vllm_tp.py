@@ -33,9 +33,11 @@ class RankHarness:
     ``schedule()`` plans the copies, ``report(out, per_rank_meta)`` feeds back what each rank's
     worker reported, merged by vLLM's own KVOutputAggregator as the multiprocess executor does."""
 
-    def __init__(self, model_dir: str, tmp: Path, spec=None, replicas: int = 1) -> None:  # noqa: ANN001
+    def __init__(self, model_dir: str, tmp: Path, spec=None, replicas: int = 1, pp: int = 1) -> None:  # noqa: ANN001
         """``spec``: the KV cache spec of the model's one group (default: 1 KV head of 64, bf16);
-        ``replicas``: vLLM's ``kv_tp_replicas`` (TP ranks holding identical KV: ``TP`` for MLA)."""
+        ``replicas``: vLLM's ``kv_tp_replicas`` (TP ranks holding identical KV: ``TP`` for MLA);
+        ``pp``: pipeline stages (the 2 ranks are then TP=1 x PP=2; the scheduler sees the first
+        stage's layers, as vLLM gives it)."""
         import torch
         from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                                  SchedulerConfig, VllmConfig)
@@ -51,7 +53,7 @@ class RankHarness:
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=model_dir, max_model_len=1024, enforce_eager=True, seed=0),
             cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-            parallel_config=ParallelConfig(tensor_parallel_size=TP),
+            parallel_config=ParallelConfig(tensor_parallel_size=TP // pp, pipeline_parallel_size=pp),
             scheduler_config=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=1024,
                                              is_encoder_decoder=False),
             kv_transfer_config=KVTransferConfig(
@@ -59,7 +61,7 @@ class RankHarness:
                 kv_connector_extra_config={"config_file": str(cfg)}))
         vllm_config.cache_config.num_gpu_blocks = 64
         spec = spec or FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-        layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(4 // pp)]
         kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
         kv_cache_config.kv_tp_replicas = replicas

@@ -9,7 +9,8 @@ SPEC: {"model": DIR, "config": YAML or null (no connector), "mp": bool (separate
 worker processes), "tp": int (tensor-parallel ranks, one worker process each), "block_size": int,
 "module_path": bool (name the connector's module, else the plugin entry point finds it),
 "speculative": dict|null (vLLM's speculative_config, e.g. {"method": "ngram", ...}; null: none),
-"pp": int (pipeline-parallel stages, default 1)}.
+"pp": int (pipeline-parallel stages, default 1), "compilation": dict|null (vLLM's
+compilation_config, with enforce_eager off; null: --enforce-eager)}.
 
 Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null, "logprobs": k|null} ->
 {"tokens", "cached", "ms"} (and "top": the k highest logprobs of each generated token); {"op": "generate", "prompts": [[ids], ...]} -> {"tokens": [[...]], "cached":
@@ -64,7 +65,8 @@ def build(spec: dict):
                "kv_load_failure_policy": "recompute"}
         if spec.get("module_path", True):
             ktc["kv_connector_module_path"] = "kvstrata.adapters.vllm"
-    return LLM(model=spec["model"], enforce_eager=True, block_size=spec.get("block_size", 32),
+    return LLM(model=spec["model"], enforce_eager=not spec.get("compilation"),
+               compilation_config=spec.get("compilation"), block_size=spec.get("block_size", 32),
                max_model_len=4096, kv_transfer_config=ktc, enable_prefix_caching=True, seed=0,
                tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=spec.get("dtype", "auto"),
                speculative_config=spec.get("speculative"),

@@ -1,0 +1,116 @@
+"""Pipeline parallelism on the real vLLM engine with kvstrata (issue 29): two stages of the tiny
+Llama (layers 0-1 and 2-3), one worker process each.
+
+Each stage's worker is a rank of its own (stage * TP degree + TP rank) that copies its own layers
+into a slot, at its stage's offset in the rank's region, so a slot is laid out as with one stage.
+A save is committed once every stage has reported its part (one stage's report alone commits
+nothing, so a stage that dies mid-save leaves nothing half-written to serve), and a load's pin goes
+once every stage has read its part. A block is one unit in every tier, with every stage's layers:
+a hit always covers every stage.
+
+vLLM 0.32's CPU build runs ``pipeline_parallel_size=2`` only with its model warm-up on: with
+``enforce_eager`` and an explicit KV cache size (``VLLM_CPU_KVCACHE_SPACE``) the CPU worker skips
+the warm-up (``CPUWorker._should_warm_up_model``), the only place the later stage's buffer for the
+previous stage's hidden states is allocated (``GPUModelRunner._dummy_run``), and the first request
+fails on that stage (``assert self.intermediate_tensors is not None`` in
+``sync_and_gather_intermediate_tensors``), which EngineCore reports as ``KeyError`` in
+``Scheduler.update_from_output``. The first test keeps that true: when it fails, vLLM has fixed it.
+The kvstrata engines run with ``compilation_config`` mode 1 (stock ``torch.compile``, eager
+backend), which warms up: 2 engines, one after the other on one disk tier (cold, after vLLM's own
+prefix cache is reset: L1; fresh: L2); outputs equal vLLM alone without pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.conftest import BS, EngineFailed, StepEngine, delta, disk_config, gen, ids
+from engines.test_vllm_tp import RankHarness
+
+pytest.importorskip("vllm")
+
+PP = 2
+WARM = {"mode": 1, "backend": "eager"}  # torch.compile with the eager backend: vLLM warms the model up
+PROMPT, OTHER = ids(91, 600), ids(92, 300)
+LAYER_PAGE = BS * 2 * 2 * 64 * 2  # one layer's block: 2 KV heads, K and V of 64, bf16
+
+
+def test_vllm_alone_at_pp2_with_enforce_eager_fails_on_its_first_request(model, tmp_path):
+    """vLLM's own failure, no connector: when this test fails, eager PP runs on CPU (drop WARM)."""
+    with StepEngine(model, tmp_path, None, name="pp-eager", pp=PP) as engine:
+        with pytest.raises(EngineFailed) as failed:
+            engine.run([gen(PROMPT)], timeout=120)
+        assert "KeyError" in str(failed.value) and "update_from_output" in str(failed.value)
+        log = engine.log_path.read_text(errors="replace")
+        assert "sync_and_gather_intermediate_tensors" in log and "AssertionError" in log
+
+
+def test_a_save_is_committed_when_every_stage_wrote_its_layers(model, tmp_path):
+    """Scenario: vLLM's scheduler at TP=1 x PP=2, no model run. A save reported by one stage is not
+    served (the other stage's layers may be missing); both stages' reports commit it; a failure
+    on one stage drops it. A load keeps its pin until both stages have read their layers."""
+    from kvstrata.adapters.vllm import StrataWorkerMetadata as Meta
+
+    h = RankHarness(model, tmp_path, pp=PP)
+    try:
+        prompt = ids(93, 100)
+        h.request(prompt)
+        out = h.schedule()
+        arena, (save,) = out.kv_connector_metadata.arena, out.kv_connector_metadata.saves
+        assert arena.stage_bytes == (arena.rank_bytes // 2,) * 2 and arena.slot_bytes == arena.rank_bytes
+        h.report(out, [Meta(saved={0: {save.op_id}}), None])
+        assert h.visible_tokens(prompt) == 0, "committed with the second stage's layers missing"
+        h.report(h.schedule(), [None, Meta(saved={1: {save.op_id}})])
+        assert h.visible_tokens(prompt) == len(prompt)
+
+        other = ids(94, 70)
+        h.request(other)
+        out = h.schedule()
+        (failed,) = [op for op in out.kv_connector_metadata.saves if op.req_id == "r2"]
+        h.report(out, [Meta(saved={0: {failed.op_id}}), Meta(failed={1: {failed.op_id}})])
+        assert h.visible_tokens(other) == 0
+
+        assert h.scheduler.reset_prefix_cache()
+        h.request(prompt)
+        out = h.schedule()
+        (load,) = out.kv_connector_metadata.loads
+        h.report(out, [Meta(loaded={0: {load.op_id}}), None])
+        assert all(h.pinned(prompt))  # the second stage may still be reading the slots
+        h.report(h.schedule(), [None, Meta(loaded={1: {load.op_id}})])
+        assert not any(h.pinned(prompt))
+    finally:
+        h.scheduler.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pp_runs(model, baseline, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("pp")
+    cfg = disk_config(tmp)
+    runs: dict = {"alone": baseline.many([PROMPT, OTHER])}
+    counters = {"op": "counters"}
+    with StepEngine(model, tmp, cfg, name="pp", pp=PP, compilation=WARM) as first:
+        runs["first"] = first.run([gen(PROMPT), gen(OTHER), counters, {"op": "reset"}, gen(PROMPT), counters])
+    with StepEngine(model, tmp, cfg, name="pp-fresh", pp=PP, compilation=WARM) as second:
+        runs["fresh"] = second.run([gen(PROMPT), gen(OTHER), counters])
+    print("pp:", [r["cached"] for phase in ("first", "fresh") for r in runs[phase] if "cached" in r])
+    return runs
+
+
+@pytest.mark.timeout(600)
+def test_pp2_stores_every_stages_layers_and_serves_them_from_cpu_memory(pp_runs):
+    cold, cold_other, counted, _, again, served = pp_runs["first"]
+    assert (cold["cached"], cold_other["cached"]) == (0, 0)
+    assert [cold["tokens"], cold_other["tokens"]] == pp_runs["alone"]
+    # A block holds all 4 layers: 2 written by each stage.
+    assert counted["saved_blocks"] == len(PROMPT) // BS + 1 + len(OTHER) // BS + 1
+    assert counted["l1_bytes_written"] == counted["saved_blocks"] * 4 * LAYER_PAGE
+    assert again["cached"] == len(PROMPT) - 1 and again["tokens"] == pp_runs["alone"][0]
+    assert delta(served, counted).get("hit_blocks_l1") == len(PROMPT) // BS + 1
+
+
+@pytest.mark.timeout(600)
+def test_fresh_pp2_engine_loads_both_stages_from_disk(pp_runs):
+    prompt, other, counters = pp_runs["fresh"]
+    assert prompt["cached"] == len(PROMPT) - 1 and other["cached"] == len(OTHER) - 1
+    assert [prompt["tokens"], other["tokens"]] == pp_runs["alone"]
+    assert counters["hit_blocks_l2"] == len(PROMPT) // BS + 1 + len(OTHER) // BS + 1
