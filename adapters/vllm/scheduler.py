@@ -170,9 +170,13 @@ class SchedulerSide:
         self._hybrid = HybridPlans(self, layouts) if groups is not None else None
         events_cfg = vllm_config.kv_events_config
         self.events: KVEvents | None = None
-        if events_cfg is not None and events_cfg.enable_kv_cache_events and self._hybrid is None:
-            self.events = KVEvents(self.block_size, self.store.tier_bits)
-            self.store.listen(self.events.on_tier_change)
+        if events_cfg is not None and events_cfg.enable_kv_cache_events:
+            if self._hybrid is None:
+                self.events = KVEvents(self.block_size, self.store.tier_bits)
+                self.store.listen(self.events.on_tier_change)
+            else:  # one event stream per group is not built yet: say so rather than publish a partial one
+                log.warning("kvstrata: KV events are not published for hybrid models yet (%d KV cache groups); "
+                            "vLLM's own events are unaffected", len(self._hybrid.layouts))
         log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s%s", self.ns.id, self.ns.model,
                  self.arena.num_slots, slot_bytes, path, "; MLA: one copy for every rank" if shared else "")
 

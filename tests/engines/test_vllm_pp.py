@@ -18,9 +18,13 @@ fails on that stage (``assert self.intermediate_tensors is not None`` in
 The kvstrata engines run with ``compilation_config`` mode 1 (stock ``torch.compile``, eager
 backend), which warms up: 2 engines, one after the other on one disk tier (cold, after vLLM's own
 prefix cache is reset: L1; fresh: L2); outputs equal vLLM alone without pipeline parallelism.
+Between them the later stage's part of one block of a third prompt is damaged on disk: the fresh
+engine's hit stops before that block, which it recomputes (a stage's part is never served alone).
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -31,7 +35,7 @@ pytest.importorskip("vllm")
 
 PP = 2
 WARM = {"mode": 1, "backend": "eager"}  # torch.compile with the eager backend: vLLM warms the model up
-PROMPT, OTHER = ids(91, 600), ids(92, 300)
+PROMPT, OTHER, DAMAGED = ids(91, 600), ids(92, 300), ids(95, 600)
 LAYER_PAGE = BS * 2 * 2 * 64 * 2  # one layer's block: 2 KV heads, K and V of 64, bf16
 
 
@@ -86,12 +90,27 @@ def test_a_save_is_committed_when_every_stage_wrote_its_layers(model, tmp_path):
 def pp_runs(model, baseline, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("pp")
     cfg = disk_config(tmp)
-    runs: dict = {"alone": baseline.many([PROMPT, OTHER])}
+    runs: dict = {"alone": baseline.many([PROMPT, OTHER]), "damaged_alone": baseline(DAMAGED)}
     counters = {"op": "counters"}
+
+    def files() -> set:
+        return set((tmp / "l2" / "blocks").glob("*/*.kvb"))
+
     with StepEngine(model, tmp, cfg, name="pp", pp=PP, compilation=WARM) as first:
         runs["first"] = first.run([gen(PROMPT), gen(OTHER), counters, {"op": "reset"}, gen(PROMPT), counters])
+        before = files()
+        first.run([gen(DAMAGED)])
+        deadline = time.monotonic() + 60  # the disk tier is written in the background
+        while len(files() - before) < len(DAMAGED) // BS + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    # The later stage's layers of one full block of DAMAGED are damaged on disk (they end the
+    # payload): the block fails its checksum, so a fresh engine's hit stops before it.
+    victim = max(sorted(files() - before), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0x5A
+    victim.write_bytes(bytes(data))
     with StepEngine(model, tmp, cfg, name="pp-fresh", pp=PP, compilation=WARM) as second:
-        runs["fresh"] = second.run([gen(PROMPT), gen(OTHER), counters])
+        runs["fresh"] = second.run([gen(PROMPT), gen(OTHER), counters, gen(DAMAGED), counters])
     print("pp:", [r["cached"] for phase in ("first", "fresh") for r in runs[phase] if "cached" in r])
     return runs
 
@@ -110,7 +129,15 @@ def test_pp2_stores_every_stages_layers_and_serves_them_from_cpu_memory(pp_runs)
 
 @pytest.mark.timeout(600)
 def test_fresh_pp2_engine_loads_both_stages_from_disk(pp_runs):
-    prompt, other, counters = pp_runs["fresh"]
+    prompt, other, counters, *_ = pp_runs["fresh"]
     assert prompt["cached"] == len(PROMPT) - 1 and other["cached"] == len(OTHER) - 1
     assert [prompt["tokens"], other["tokens"]] == pp_runs["alone"]
     assert counters["hit_blocks_l2"] == len(PROMPT) // BS + 1 + len(OTHER) // BS + 1
+
+
+@pytest.mark.timeout(600)
+def test_a_block_whose_later_stage_part_is_damaged_is_recomputed_and_the_hit_stops_before_it(pp_runs):
+    _, _, counters, damaged, after = pp_runs["fresh"]
+    assert damaged["tokens"] == pp_runs["damaged_alone"]
+    assert damaged["cached"] < len(DAMAGED) - 1 and damaged["cached"] % BS == 0, damaged["cached"]
+    assert delta(after, counters).get("checksum_failures") == 1
