@@ -126,9 +126,15 @@ class StrataStorage(HiCacheStorage):
         """SGLang's hybrid models (sliding-window or Mamba pools beside the KV pool) register their
         other host pools here, then call ``batch_*_v2`` with per-pool hit rules. StrataStorage keys
         and restores the KV pool alone, so it refuses at attach time (SGLang fails the start with
-        this message) rather than serve attention KV without the state that goes with it."""
+        this message) rather than serve attention KV without the state that goes with it. The KV
+        pool itself comes through here too (every model: SGLang registers each of its host pool
+        entries), and is the one ``register_mem_pool_host`` took."""
+        if host_pool_name == "kv" or host_pool is getattr(self, "mem_pool_host", None):
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
         raise ConfigError(
-            f"kvstrata: StrataStorage does not serve SGLang's hybrid host pool {host_pool_name!r} "
+            f"kvstrata: StrataStorage does not serve SGLang's hybrid host pool "
+            f"{str(getattr(host_pool_name, 'value', host_pool_name))!r} "
             f"({type(host_pool).__name__}) yet: a hit would restore attention KV without that pool's "
             "sliding-window or Mamba state. Serve this model with vLLM and StrataConnector, or without "
             "--hicache-storage-backend")

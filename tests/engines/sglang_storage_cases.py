@@ -225,13 +225,18 @@ def test_storage_bad_kvstrata_key_is_a_config_error_naming_it(tmp_path):
 
 def test_storage_refuses_a_hybrid_models_other_host_pools_naming_them(tmp_path, storages):
     """SGLang attaches a hybrid model's sliding-window or Mamba host pools with
-    ``register_mem_host_pool_v2``: StrataStorage restores the KV pool only, so it refuses."""
+    ``register_mem_host_pool_v2``: StrataStorage restores the KV pool only, so it refuses them (and
+    takes the KV pool, which SGLang registers the same way for every model)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
     from kvstrata.config import ConfigError
 
     s = make_storage(tmp_path)
     storages.append(s)
+    s.register_mem_host_pool_v2(s.mem_pool_host, PoolName.KV)  # every model's KV pool: taken
+    s.register_mem_host_pool_v2(_host_pool("layer_first"), "kv")
     with pytest.raises(ConfigError, match=r"hybrid host pool 'mamba' \(MHATokenToKVPoolHost\)"):
-        s.register_mem_host_pool_v2(_host_pool("layer_first"), "mamba")
+        s.register_mem_host_pool_v2(_host_pool("layer_first"), PoolName.MAMBA)
 
 
 def test_storage_stats_are_sglang_metrics_with_kvstrata_counters(tmp_path, storages):
