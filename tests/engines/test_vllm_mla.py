@@ -63,14 +63,7 @@ def test_one_writer_commits_a_save_and_every_rank_releases_a_load(model, tmp_pat
         h.report(out, [Meta(failed={0: {failed.op_id}}), None])
         assert h.visible_tokens(other) == 0
 
-        assert h.scheduler.reset_prefix_cache()
-        h.request(prompt)
-        out = h.schedule()
-        (load,) = out.kv_connector_metadata.loads
-        h.report(out, [Meta(loaded={0: {load.op_id}}), None])
-        assert all(h.pinned(prompt))  # rank 1 may still be reading the slots
-        h.report(h.schedule(), [None, Meta(loaded={1: {load.op_id}})])
-        assert not any(h.pinned(prompt))
+        h.load_stays_pinned_until_rank_1_read(prompt)
     finally:
         h.scheduler.shutdown()
 

@@ -74,14 +74,7 @@ def test_a_save_is_committed_when_every_stage_wrote_its_layers(model, tmp_path):
         h.report(out, [Meta(saved={0: {failed.op_id}}), Meta(failed={1: {failed.op_id}})])
         assert h.visible_tokens(other) == 0
 
-        assert h.scheduler.reset_prefix_cache()
-        h.request(prompt)
-        out = h.schedule()
-        (load,) = out.kv_connector_metadata.loads
-        h.report(out, [Meta(loaded={0: {load.op_id}}), None])
-        assert all(h.pinned(prompt))  # the second stage may still be reading the slots
-        h.report(h.schedule(), [None, Meta(loaded={1: {load.op_id}})])
-        assert not any(h.pinned(prompt))
+        h.load_stays_pinned_until_rank_1_read(prompt)
     finally:
         h.scheduler.shutdown()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,6 +103,26 @@ class RankHarness:
     def visible_tokens(self, prompt: list[int]) -> int:
         return self.store.lookup(self.side.ns, prompt).num_tokens
 
+    def load_stays_pinned_until_rank_1_read(self, prompt: list[int]) -> Any:
+        """Request ``prompt`` again after vLLM forgot it (``reset_prefix_cache``): its load from L1
+        keeps the blocks pinned once rank 0 reports it read, and unpins them only once rank 1 (the
+        other TP rank or pipeline stage, which may still be reading the slots) has too. The load op."""
+        from kvstrata.adapters.vllm import StrataWorkerMetadata as Meta
+
+        assert self.scheduler.reset_prefix_cache()  # the engine forgets; kvstrata has it in L1
+        self.request(prompt)  # finishes in its first step (max_tokens=1)
+        out = self.schedule()
+        (load,) = out.kv_connector_metadata.loads
+        assert list(out.num_scheduled_tokens.values()) == [1]  # all but the last token come from L1
+        assert all(self.pinned(prompt))
+        # The request finishes in this very step, before the connector sees the reports; rank 1 has
+        # not reported the load yet, so its slots must stay pinned (not reusable by another block).
+        self.report(out, [Meta(loaded={0: {load.op_id}}), None])
+        assert all(self.pinned(prompt))
+        self.report(self.schedule(), [None, Meta(loaded={1: {load.op_id}})])
+        assert not any(self.pinned(prompt))
+        return load
+
     def pinned(self, prompt: list[int]) -> list[bool]:
         """Per stored block of ``prompt``: is its index row pinned?"""
         keys = self.store.lookup(self.side.ns, prompt).chain.keys
@@ -160,19 +181,8 @@ def test_load_keeps_its_pin_until_every_rank_copied_the_blocks_out(harness):
     out = harness.schedule()
     (save,) = out.kv_connector_metadata.saves
     harness.report(out, [Meta(saved={r: {save.op_id}}) for r in range(TP)])
-    assert harness.scheduler.reset_prefix_cache()  # the engine forgets; kvstrata has it in L1
-
-    harness.request(prompt)  # finishes in its first step (max_tokens=1)
-    out = harness.schedule()
-    (load,) = out.kv_connector_metadata.loads
-    assert len(load.slots) == 4 and out.num_scheduled_tokens["r2"] == 1  # all but the last token
-    assert all(harness.pinned(prompt))
-    # The request finishes in this very step, before the connector sees the reports; rank 1 has
-    # not reported the load yet, so its slots must stay pinned (not reusable by another block).
-    harness.report(out, [Meta(loaded={0: {load.op_id}}), None])
-    assert all(harness.pinned(prompt))
-    harness.report(harness.schedule(), [None, Meta(loaded={1: {load.op_id}})])
-    assert not any(harness.pinned(prompt))
+    load = harness.load_stays_pinned_until_rank_1_read(prompt)
+    assert len(load.slots) == 4  # all four blocks, the tail included
 
 
 def test_a_lookup_that_is_not_scheduled_gives_its_pin_back(harness):
