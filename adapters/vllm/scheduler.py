@@ -20,13 +20,9 @@ settled only when every rank has reported it:
   blocks are committed to the index when every rank reports its copy done (aborted if any rank
   failed: a block missing one shard is never served). Nothing waits for a request to finish, so
   no block is ever held back from the engine.
-- Pipeline parallelism: every stage's workers are ranks of their own (pipeline stage * TP degree +
-  TP rank) that copy their own layers; a save is committed when every stage has written its part,
-  and a load's pin goes when every stage has read its part. A block is one unit in every tier, so
-  a hit always covers every stage (``pipeline_stage_bytes``).
-- MLA (``namespace.latent_shared``): every rank holds the same latent, so a slot holds one copy.
-  Rank 0 alone writes it, and a save is settled by rank 0's report (the only writer: its report
-  means the slot is whole); every rank reads that copy, and a load still waits for all of them.
+- The ranks are every worker (pipeline stage * TP degree + TP rank: every stage's layers are in a
+  block, so a hit covers every stage); the writers of a save, every rank, or TP rank 0 of each
+  stage for an MLA latent that every rank holds whole (``slots.SlotPlan``).
 
 Over 300 lines because lookup, staging, save planning and settling all work on one per-request
 state (``_Pending``) and one table of in-flight ops; split apart, each would reach into the others.
@@ -43,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstrata.config import ConfigError, load_engine_config
+from kvstrata.config import load_engine_config
 from kvstrata.keys import BlockChain
 from kvstrata.store import BlockStore, Hit, Reservation, StoreProtocol
 
@@ -52,7 +48,8 @@ from .groups import group_layouts
 from .hybrid import HybridPlans
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
 from .metrics import StatsCollector
-from .namespace import draft_identity, latent_shared, namespace_for, new_arena_path, request_extra
+from .namespace import namespace_for, new_arena_path, request_extra
+from .slots import slot_plan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,60 +100,23 @@ class _InFlight:
     hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
 
 
-def pipeline_stage_bytes(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", first: int) -> tuple[int, ...]:
-    """Bytes of one block's layers on each pipeline stage (one TP rank's share), in stage order.
-
-    vLLM hands the scheduler the first stage's KV cache config (``first``: its bytes); the other
-    stages' layers follow from vLLM's own partition of the decoder layers (``get_pp_indices``,
-    which honours ``VLLM_PP_LAYER_PARTITION``), one attention layer per decoder layer. Refused
-    where that does not hold or a block is more than one group of one page per layer: hybrid
-    models, draft layers of speculative decoding (EAGLE's sit on the last stage alone)."""
-    from vllm.distributed.utils import get_pp_indices
-
-    pp = vllm_config.parallel_config.pipeline_parallel_size
-    if len(kv_cache_config.kv_cache_groups) > 1 or draft_identity(vllm_config):
-        raise ConfigError("kvstrata: pipeline parallelism is supported for models with one KV cache group and no "
-                          "speculative draft layers")
-    group = kv_cache_config.kv_cache_groups[0]
-    page = group.kv_cache_spec.page_size_bytes
-    total = vllm_config.model_config.get_total_num_hidden_layers()
-    layers = [end - start for start, end in (get_pp_indices(total, stage, pp) for stage in range(pp))]
-    if layers[0] * page != first:
-        raise ConfigError(f"kvstrata: the first pipeline stage holds {first // page} KV layers, vLLM's partition of "
-                          f"{total} layers into {pp} stages gives it {layers[0]}: cannot place the other stages")
-    return tuple(n * page for n in layers)
-
-
 class SchedulerSide:
     """The scheduler role of ``StrataConnector``, in EngineCore: see the module docstring."""
 
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
         cfg = load_engine_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        par = vllm_config.parallel_config
         self.ns = namespace_for(vllm_config, kv_cache_config, cfg)
-        self.block_size = vllm_config.cache_config.block_size
-        groups = None
-        if len(kv_cache_config.kv_cache_groups) > 1:  # a hybrid model: one slot holds one group's block
-            layouts = group_layouts(kv_cache_config)
-            self.block_size = layouts[0].block_size
-            rank_bytes = max(g.rank_bytes for g in layouts)
-            groups = [g.layer_names for g in layouts]
-        else:
-            group = kv_cache_config.kv_cache_groups[0]
-            rank_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        shared = latent_shared(vllm_config, kv_cache_config)  # MLA: one copy for every rank
-        tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-        stage_bytes = pipeline_stage_bytes(vllm_config, kv_cache_config, rank_bytes) if pp > 1 else ()
-        rank_bytes = sum(stage_bytes) or rank_bytes  # one TP rank's region holds every stage's layers
-        slot_bytes = rank_bytes if shared else rank_bytes * tp
+        # A hybrid model: one slot holds one group's block
+        layouts = group_layouts(kv_cache_config) if len(kv_cache_config.kv_cache_groups) > 1 else None
+        self.block_size = layouts[0].block_size if layouts else vllm_config.cache_config.block_size
+        plan = slot_plan(vllm_config, kv_cache_config, layouts)
         path = new_arena_path()
-        self.store: StoreProtocol = BlockStore(cfg, l1_slot_bytes=slot_bytes, l1_shared_path=path)
+        self.store: StoreProtocol = BlockStore(cfg, l1_slot_bytes=plan.slot_bytes, l1_shared_path=path)
         self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
         atexit.register(self.store.arena.unlink)  # unlink the arena even if vLLM never calls shutdown
-        self.arena = ArenaSpec(path, self.store.arena.num_slots, slot_bytes, rank_bytes, groups, shared, stage_bytes)
-        self._ranks = tp * pp  # workers, ranked pp_rank * tp + tp_rank
-        # Workers that write a save's slots: all, or for a shared latent TP rank 0 of every stage.
-        self._writers = frozenset(range(0, self._ranks, tp) if shared else range(self._ranks))
+        self.arena = ArenaSpec(path, self.store.arena.num_slots, plan.slot_bytes, plan.rank_bytes,
+                               [g.layer_names for g in layouts] if layouts else None, plan.shared, plan.stage_bytes)
+        self._ranks, self._writers = plan.ranks, plan.writers
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._inline_bytes = cfg.l1.stage_inline_bytes
         self._lock = threading.Lock()  # staging jobs finish on the store's background thread
@@ -167,7 +127,7 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
         self._next_op = 1
         self.stats = StatsCollector(self.store)
-        self._hybrid = HybridPlans(self, layouts) if groups is not None else None
+        self._hybrid = HybridPlans(self, layouts) if layouts else None
         events_cfg = vllm_config.kv_events_config
         self.events: KVEvents | None = None
         if events_cfg is not None and events_cfg.enable_kv_cache_events:
@@ -178,7 +138,7 @@ class SchedulerSide:
                 log.warning("kvstrata: KV events are not published for hybrid models yet (%d KV cache groups); "
                             "vLLM's own events are unaffected", len(self._hybrid.layouts))
         log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s%s", self.ns.id, self.ns.model,
-                 self.arena.num_slots, slot_bytes, path, "; MLA: one copy for every rank" if shared else "")
+                 self.arena.num_slots, plan.slot_bytes, path, "; MLA: one copy for every rank" if plan.shared else "")
 
     # -- lookup
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
