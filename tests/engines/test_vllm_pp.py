@@ -14,7 +14,8 @@ the warm-up (``CPUWorker._should_warm_up_model``), the only place the later stag
 previous stage's hidden states is allocated (``GPUModelRunner._dummy_run``), and the first request
 fails on that stage (``assert self.intermediate_tensors is not None`` in
 ``sync_and_gather_intermediate_tensors``), which EngineCore reports as ``KeyError`` in
-``Scheduler.update_from_output``. The first test keeps that true: when it fails, vLLM has fixed it.
+``Scheduler.update_from_output`` (the README quotes it; a test that kept it true cost an engine
+start, the suite's budget did not have it).
 The kvstrata engines run with ``compilation_config`` mode 1 (stock ``torch.compile``, eager
 backend), which warms up: 2 engines, one after the other on one disk tier (cold, after vLLM's own
 prefix cache is reset: L1; fresh: L2); outputs equal vLLM alone without pipeline parallelism.
@@ -28,7 +29,7 @@ import time
 
 import pytest
 
-from engines.conftest import BS, EngineFailed, StepEngine, delta, disk_config, gen, ids
+from engines.conftest import BS, StepEngine, delta, disk_config, gen, ids
 from engines.test_vllm_tp import RankHarness
 
 pytest.importorskip("vllm")
@@ -37,16 +38,6 @@ PP = 2
 WARM = {"mode": 1, "backend": "eager"}  # torch.compile with the eager backend: vLLM warms the model up
 PROMPT, OTHER, DAMAGED = ids(91, 600), ids(92, 300), ids(95, 600)
 LAYER_PAGE = BS * 2 * 2 * 64 * 2  # one layer's block: 2 KV heads, K and V of 64, bf16
-
-
-def test_vllm_alone_at_pp2_with_enforce_eager_fails_on_its_first_request(model, tmp_path):
-    """vLLM's own failure, no connector: when this test fails, eager PP runs on CPU (drop WARM)."""
-    with StepEngine(model, tmp_path, None, name="pp-eager", pp=PP) as engine:
-        with pytest.raises(EngineFailed) as failed:
-            engine.run([gen(PROMPT)], timeout=120)
-        assert "KeyError" in str(failed.value) and "update_from_output" in str(failed.value)
-        log = engine.log_path.read_text(errors="replace")
-        assert "sync_and_gather_intermediate_tensors" in log and "AssertionError" in log
 
 
 def test_a_save_is_committed_when_every_stage_wrote_its_layers(model, tmp_path):
