@@ -103,6 +103,21 @@ class RankHarness:
     def visible_tokens(self, prompt: list[int]) -> int:
         return self.store.lookup(self.side.ns, prompt).num_tokens
 
+    def save_waits_for_rank_1(self, prompt: list[int], max_tokens: int = 1, missing: str = "") -> tuple[Any, Any]:
+        """Request ``prompt``: its save, reported by rank 0 alone, is not served (``missing`` says
+        what rank 1 holds); once rank 1 (the other TP rank or pipeline stage) reports it too, the
+        whole prompt is. The step's scheduler output and the save op."""
+        from kvstrata.adapters.vllm import StrataWorkerMetadata as Meta
+
+        self.request(prompt, max_tokens=max_tokens)
+        out = self.schedule()
+        (save,) = out.kv_connector_metadata.saves
+        self.report(out, [Meta(saved={0: {save.op_id}}), None])
+        assert self.visible_tokens(prompt) == 0, f"committed with {missing} still missing"
+        self.report(self.schedule(), [None, Meta(saved={1: {save.op_id}})])
+        assert self.visible_tokens(prompt) == len(prompt)
+        return out, save
+
     def load_stays_pinned_until_rank_1_read(self, prompt: list[int]) -> Any:
         """Request ``prompt`` again after vLLM forgot it (``reset_prefix_cache``): its load from L1
         keeps the blocks pinned once rank 0 reports it read, and unpins them only once rank 1 (the
@@ -148,14 +163,8 @@ def test_save_commits_only_when_every_rank_acked(harness):
     from kvstrata.adapters.vllm import StrataWorkerMetadata as Meta
 
     prompt = _ids(11, 100)  # 3 full blocks and a 4-token tail, saved in the prompt's step
-    harness.request(prompt, max_tokens=3)
-    out = harness.schedule()
-    (save,) = out.kv_connector_metadata.saves
+    _, save = harness.save_waits_for_rank_1(prompt, max_tokens=3, missing="rank 1's shard")
     assert len(save.slots) == 4
-    harness.report(out, [Meta(saved={0: {save.op_id}}), None])
-    assert harness.visible_tokens(prompt) == 0, "committed with rank 1's shard still missing"
-    harness.report(harness.schedule(), [None, Meta(saved={1: {save.op_id}})])
-    assert harness.visible_tokens(prompt) == len(prompt)
 
     # One rank failed, the other copied its shard: the block is never served, its slots go back.
     other = _ids(12, 70)
