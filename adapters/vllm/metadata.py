@@ -48,6 +48,9 @@ class StrataMetadata(KVConnectorMetadata):
     arena: ArenaSpec
     loads: list[CopyOp] = field(default_factory=list)
     saves: list[CopyOp] = field(default_factory=list)
+    # kv_producer: finished requests whose blocks are published; every worker reports them to vLLM
+    # as finished_sending, which frees the blocks vLLM kept for them (roles.Publisher)
+    finished_sending: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -20,6 +20,7 @@ settled only when every rank has reported it:
   blocks are committed to the index when every rank reports its copy done (aborted if any rank
   failed: a block missing one shard is never served). Nothing waits for a request to finish, so
   no block is ever held back from the engine.
+- P/D (``kv_role``, ``roles.py``): a producer publishes before it answers, a consumer saves its own.
 - The ranks are every worker (pipeline stage * TP degree + TP rank: every stage's layers are in a
   block, so a hit covers every stage); the writers of a save, every rank, or TP rank 0 of each
   stage for an MLA latent that every rank holds whole (``slots.SlotPlan``).
@@ -49,6 +50,7 @@ from .hybrid import HybridPlans
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
 from .metrics import StatsCollector
 from .namespace import namespace_for, new_arena_path, request_extra
+from .roles import make_role
 from .slots import slot_plan
 
 if TYPE_CHECKING:
@@ -84,6 +86,7 @@ class _Pending:
     staged: bool = False
     origin: list[str] = field(default_factory=list)  # per block of the hit: the tier it is served from
     learned: bool = False  # the hit's keys were paired with vLLM's block hashes (KV events)
+    scheduled: bool = False  # planned in a step already (roles.Consumer)
     group_hit: Any = None  # a hybrid model's pinned GroupHit, until its load ops take it over
     group_slots: list[list[int]] = field(default_factory=list)
     loaded: bool = False  # a hybrid model's asynchronous load was handed to the workers
@@ -95,6 +98,7 @@ class _InFlight:
     committed if no rank failed (else aborted), a load gives its pin back."""
 
     waiting: set[int]  # ranks that have not reported the op yet
+    req_id: str
     ok: bool = True
     reservation: Reservation | None = None  # a save: the slots the ranks are filling
     hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
@@ -128,6 +132,7 @@ class SchedulerSide:
         self._next_op = 1
         self.stats = StatsCollector(self.store)
         self._hybrid = HybridPlans(self, layouts) if layouts else None
+        self.role = make_role(vllm_config, cfg, self.store)  # P/D: producer, consumer or both
         events_cfg = vllm_config.kv_events_config
         self.events: KVEvents | None = None
         if events_cfg is not None and events_cfg.enable_kv_cache_events:
@@ -137,7 +142,8 @@ class SchedulerSide:
             else:  # one event stream per group is not built yet: say so rather than publish a partial one
                 log.warning("kvstrata: KV events are not published for hybrid models yet (%d KV cache groups); "
                             "vLLM's own events are unaffected", len(self._hybrid.layouts))
-        log.info("kvstrata: namespace %s (%s), L1 %d slots of %d bytes at %s%s", self.ns.id, self.ns.model,
+        log.info("kvstrata: namespace %s (%s), %s, L1 %d slots of %d bytes at %s%s", self.ns.id, self.ns.model,
+                 vllm_config.kv_transfer_config.kv_role,
                  self.arena.num_slots, plan.slot_bytes, path, "; MLA: one copy for every rank" if plan.shared else "")
 
     # -- lookup
@@ -200,7 +206,7 @@ class SchedulerSide:
         missing = sum(1 for s in self.store.arena.slots(hit)[first:] if s is None)
         if missing * self.arena.slot_bytes <= self._inline_bytes:
             # Inline: a background thread would fight this busy scheduler loop for the GIL.
-            self.store.stage(hit)
+            self.store.stage(hit, local_copy=self.role.local_copy)
             st.staged = True
             return True
 
@@ -210,7 +216,7 @@ class SchedulerSide:
 
         with self._lock:
             st.staging = True
-        if not self.store.stage_later(hit, staged):
+        if not self.store.stage_later(hit, staged, local_copy=self.role.local_copy):
             with self._lock:
                 st.staging, st.staged = False, True  # queue full: serve what L1 has
         return False
@@ -267,16 +273,20 @@ class SchedulerSide:
         every rank that copies it has reported it: a load, every rank (each reads the slots); a
         save, every rank that writes a part of the slots (rank 0 alone for a shared latent)."""
         ranks = self._writers if reservation is not None else range(self._ranks)
-        self._inflight[op.op_id] = _InFlight(set(ranks), reservation=reservation, hit=hit)
+        self._inflight[op.op_id] = _InFlight(set(ranks), op.req_id, reservation=reservation, hit=hit)
+        if reservation is not None:
+            self.role.saving(op.req_id, op.op_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
+            if st is not None:
+                self.role.planning(st, self.block_size)
             if st is not None and self._hybrid is not None:
                 self._hybrid.plan_saves(req_id, st, n, scheduler_output)
             elif st is not None:
                 self._plan_saves(req_id, st, n)
-        meta = StrataMetadata(self.arena, self._loads, self._saves)
+        meta = StrataMetadata(self.arena, self._loads, self._saves, self.role.take_sent())
         self._loads, self._saves = [], []
         return meta
 
@@ -324,7 +334,7 @@ class SchedulerSide:
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Everything computed was saved in the step that computed it, except the partial block at
-        the end of the output: nothing is left to copy, so blocks are freed at once.
+        the end of the output: nothing is left to copy (a producer publishes first: ``roles.py``).
 
         The pin of a lookup no load op took over (a request aborted or preempted before its
         blocks were allocated) goes now. Ops already sent to the workers keep theirs until every
@@ -335,12 +345,15 @@ class SchedulerSide:
             self._release(st)
             if self._hybrid is not None:
                 self._hybrid.release(st)
-        return False, None
+        return self.role.finished(request.request_id), None
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
-        if not isinstance(meta, StrataWorkerMetadata):
-            return
+        if isinstance(meta, StrataWorkerMetadata):
+            self._take_reports(meta)
+        self.role.publish()  # a producer: before this step's answers go out
+
+    def _take_reports(self, meta: StrataWorkerMetadata) -> None:
         if meta.attached and len(self._attached) < self._ranks:
             self._attached |= meta.attached
             if len(self._attached) >= self._ranks:
@@ -368,6 +381,7 @@ class SchedulerSide:
         if op.reservation is not None:
             # Published (visible to lookups from now on) only if every rank copied its shard.
             self.store.complete_store(op.reservation, op.ok)
+            self.role.settled(op.req_id, op_id)
 
     # -- control and stats
     def reset_cache(self) -> bool:

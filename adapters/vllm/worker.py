@@ -56,6 +56,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._recving: set[str] = set()  # requests whose asynchronous load finished (failed ones too)
         self._recv_failed: set[str] = set()
+        self._sent: set[str] = set()  # kv_producer: requests the scheduler has published (finished_sending)
         self._just_attached = False
         self._load_s: list[float] = []  # one sample per step with loads (the L1-to-KV-cache copy)
         self._bytes_read = 0  # this rank's bytes copied out of L1
@@ -90,6 +91,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: StrataMetadata) -> None:
         arena = self._attach(meta.arena)  # at the first step, so the scheduler can unlink the file
+        self._sent |= meta.finished_sending
         if not meta.loads:
             return
         self._prefault.ahead_of((max((max(op.slots) for op in meta.loads if op.slots), default=0) + 1)
@@ -141,10 +143,11 @@ class WorkerSide:
         return stats
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
-        """Requests whose asynchronous load is done on this rank (a failed one is in both sets)."""
-        done, failed = self._recving, self._recv_failed
-        self._recving, self._recv_failed = set(), set()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        """Requests whose asynchronous load is done on this rank (a failed one is in both sets),
+        and those a producer's scheduler has published (their blocks can be freed)."""
+        done, failed, sent = self._recving, self._recv_failed, self._sent
+        self._recving, self._recv_failed, self._sent = set(), set(), set()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -161,6 +161,14 @@ class SaveConfig(_Model):
     queue_blocks: int = Field(4096, gt=0)
     """Blocks waiting to be saved; beyond this, saves are dropped and counted, never blocking."""
     threads: int = Field(1, gt=0, le=64)
+    publish_wait_ms: int = Field(2000, ge=0)
+    """vLLM ``kv_role: kv_producer`` (a prefill instance): when a request finishes, its blocks are
+    written to the shared tier before its answer goes out, waiting at most this long; vLLM keeps
+    the request's blocks until then (delayed freeing)."""
+    consumer: Literal["computed", "all"] = "computed"
+    """vLLM ``kv_role: kv_consumer`` (a decode instance): ``computed`` stores only the blocks its
+    own forward passes computed (its outputs, and prompt blocks no producer had published), and
+    keeps no disk copy of the blocks it loads from the shared tier; ``all`` stores as ``kv_both``."""
 
 
 class TestingConfig(_Model):

@@ -223,12 +223,13 @@ class BlockStore:
         the rest staged through L1. Returns how many leading blocks are valid."""
         return self._timed(hit, lambda: self._loader.load_runs(hit, runs))
 
-    def stage(self, hit: Hit) -> int:
+    def stage(self, hit: Hit, *, local_copy: bool = True) -> int:
         """Make the hit's blocks resident in L1 (``arena.slots(hit)`` then names their slots);
-        returns how many leading blocks are."""
-        return self._timed(hit, lambda: self._loader.stage(hit))
+        returns how many leading blocks are. Blocks read from the shared tier are also written to
+        L2 in the background unless ``local_copy`` is False."""
+        return self._timed(hit, lambda: self._loader.stage(hit, local_copy=local_copy))
 
-    def stage_later(self, hit: Hit, on_done: Callable[[int | None], None]) -> bool:
+    def stage_later(self, hit: Hit, on_done: Callable[[int | None], None], *, local_copy: bool = True) -> bool:
         """``stage`` on a save thread: ``on_done(n)`` hears how many leading blocks are in L1
         (None if the job failed); False, and nothing queued, when the queue is full. Timed from
         now to the end of the job (its wait in the queue included)."""
@@ -239,7 +240,7 @@ class BlockStore:
             self._parts.counters.observe(sample, time.perf_counter() - started)
             on_done(n)
 
-        return self._loader.stage_later(hit, done)
+        return self._loader.stage_later(hit, done, local_copy=local_copy)
 
     def _timed(self, hit: Hit, load: Callable[[], int]) -> int:
         self._serving()

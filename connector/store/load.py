@@ -118,9 +118,10 @@ class Loader:
         return len(rows)
 
     # ------------------------------------------------------------ L1
-    def stage(self, hit: Hit) -> int:
+    def stage(self, hit: Hit, local_copy: bool = True) -> int:
         """Make the hit's blocks resident in L1 (reading backing tiers, verifying checksums).
-        Returns how many leading blocks are now in L1; the rest of the prefix is not usable."""
+        Returns how many leading blocks are now in L1; the rest of the prefix is not usable.
+        With ``local_copy``, blocks read from the shared tier are written to L2 too."""
         p = self.p
         keys = hit.chain.keys
         rows, lease = p.index.pin_keys(keys)
@@ -146,17 +147,17 @@ class Loader:
                 p.l1.release(res.slots[got:])
                 p.counters.inc("load_failures")
             stored = self.writer.publish(Reservation(res.metas[:got], res.slots[:got]))
-            if p.remote is not None and p.l2 is not None and stored:  # local copy of remote blocks
+            if local_copy and p.remote is not None and p.l2 is not None and stored:  # local copy of remote blocks
                 p.saver.submit(len(stored), lambda: self.writer.write_through(stored, [p.l2]))
             return first + got
         finally:
             p.index.unpin(lease)
 
-    def stage_later(self, hit: Hit, on_done: Callable[[int | None], None]) -> bool:
+    def stage_later(self, hit: Hit, on_done: Callable[[int | None], None], local_copy: bool = True) -> bool:
         """``stage`` on a save thread; ``on_done(n)`` hears how many leading blocks are in L1, or
         None if the job raised. False (and nothing queued) when the queue is full."""
         missing = sum(s is None for s in self.p.l1.slots_of(hit.chain.keys))
-        return self.p.saver.submit(missing, lambda: on_done(self.stage(hit)), on_fail=lambda: on_done(None))
+        return self.p.saver.submit(missing, lambda: on_done(self.stage(hit, local_copy)), on_fail=lambda: on_done(None))
 
     # ------------------------------------------------------ caller's memory
     def load_runs(self, hit: Hit, runs: ByteRuns) -> int:
