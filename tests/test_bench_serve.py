@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -71,22 +72,24 @@ def test_simulate_reference_counts_full_blocks_served_by_an_unbounded_cache():
 
 
 class FakeEndpoint:
-    """Records overlap: no conversation may have two turns in flight."""
+    """Records overlap: no conversation may have two turns in flight (the replay's coroutines
+    share one event loop, as with a real endpoint)."""
 
     def __init__(self, fail: set[int] = frozenset()) -> None:
-        self.lock, self.inflight, self.peak, self.order = threading.Lock(), set(), 0, []
+        self.inflight, self.peak, self.order = set(), 0, []
         self.fail = fail
 
-    def send(self, prompt: list[int], max_tokens: int) -> Result:
+    def session(self) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    async def send(self, http: object, prompt: list[int], max_tokens: int) -> Result:
         key = prompt[0]
-        with self.lock:
-            assert key not in self.inflight, "two turns of one conversation in flight"
-            self.inflight.add(key)
-            self.peak = max(self.peak, len(self.inflight))
-            self.order.append((key, len(prompt)))
-        time.sleep(0.01)
-        with self.lock:
-            self.inflight.discard(key)
+        assert key not in self.inflight, "two turns of one conversation in flight"
+        self.inflight.add(key)
+        self.peak = max(self.peak, len(self.inflight))
+        self.order.append((key, len(prompt)))
+        await asyncio.sleep(0.01)
+        self.inflight.discard(key)
         if len(prompt) in self.fail:
             raise OSError("boom")
         return Result(1.0, 2.0, max_tokens, {"total": 0})

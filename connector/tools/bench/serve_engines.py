@@ -4,24 +4,26 @@ Every configuration of one engine gets the same command line (block/page size, d
 size, context length, dtype, seed) and the same environment; only the KV connector or storage
 backend differs. Each run gets fresh store folders under its own work folder, so no run warms
 another. ``Endpoint`` is the small interface the replay uses: ``send`` one streamed request, and
-``tier_counts`` (vLLM's ``/metrics``; SGLang reports tiers per request instead).
+``tier_counts`` (vLLM's ``/metrics``; SGLang reports tiers per request instead). Requests are async
+(``kvstrata.tools.client``): the replay runs every one on one event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 from ..redis_server import redis_server
-from ..serving import Server, cached_by_source, free_port, listening, stream, vllm_command
+from ..client import astream, session
+from ..serving import Server, cached_by_source, free_port, listening, request, vllm_command
 from . import ttft
 
 CONFIGS = ("baseline", "hicache", "strata-l1l2", "strata-remote", "peer", "lmcache")
@@ -59,8 +61,21 @@ class Endpoint:
     url: str
     model: str
     timeout: float
+    metrics_url: str = ""  # whose /metrics tier_counts reads (default: url's; P/D: the decode instance's)
 
-    def send(self, prompt: list[int], max_tokens: int) -> Result:
+    def session(self) -> Any:
+        """The aiohttp session ``send`` takes (open it in the event loop that sends)."""
+        return session(self.timeout)
+
+    def send_now(self, prompt: list[int], max_tokens: int) -> Result:
+        """``send`` on an event loop of its own (the warm-up)."""
+        async def go() -> Result:
+            async with self.session() as http:
+                return await self.send(http, prompt, max_tokens)
+
+        return asyncio.run(go())
+
+    async def send(self, http: Any, prompt: list[int], max_tokens: int) -> Result:
         """One greedy streamed request (EOS ignored, so every config does the same work)."""
         if self.engine == "vllm":
             path = "/v1/completions"
@@ -74,7 +89,7 @@ class Endpoint:
                     "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
         start = time.perf_counter()
         ttft, out, cached = None, 0, {}
-        for chunk in stream(self.url + path, body, self.timeout):
+        async for chunk in astream(http, self.url + path, body):
             if self.engine == "vllm":
                 got = any(c.get("text") or c.get("token_ids") for c in chunk.get("choices", []))
                 usage = chunk.get("usage") or {}
@@ -102,8 +117,7 @@ class Endpoint:
         if self.engine != "vllm":
             return {}
         try:
-            with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-                return cached_by_source(r.read().decode())
+            return cached_by_source(request("GET", (self.metrics_url or self.url) + "/metrics", timeout=30).decode())
         except OSError:
             return None
 
