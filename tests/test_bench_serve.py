@@ -197,3 +197,26 @@ def test_free_port_is_below_the_ephemeral_range_and_free():
         assert port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_disagg_configs_and_their_comparisons():
+    """``--disagg``: the P/D pair beside one kv_both server and one without a connector; its rows
+    compare throughput and TTFT with both (no bound) and judge the decode server's loaded share."""
+    args = argparse.Namespace(configs=None, engine="vllm", redis_url=None, disagg=True)
+    assert serve._configs(args) == ["baseline", "strata-remote", "disagg"]
+    with pytest.raises(SystemExit, match="disagg runs with vLLM only"):
+        serve._configs(argparse.Namespace(configs="baseline,disagg", engine="sglang", redis_url=None))
+
+    def row(config: str, req_s: float, p50: float, tiers: dict) -> dict:
+        return {"config": config, "concurrency": 8, "throughput_req_s": req_s, "ttft_p50_ms": p50,
+                "ttft_p90_ms": 2 * p50, "hit_rate": 0.5, "tokens_recomputed": 100, "prompt_tokens": 1000,
+                "tokens_per_tier": tiers}
+
+    checks = serve.ratios([row("baseline", 1.0, 400.0, {}), row("strata-remote", 1.5, 200.0, {"external_unspecified": 500}),
+                           row("disagg", 1.2, 100.0, {"external_unspecified": 900, "device": 50})], 0.5)
+    pd = {c["target"]: c for c in checks if c["config"] == "disagg"}
+    assert pd["throughput vs baseline"]["value"] == 1.2 and pd["throughput vs strata-remote"]["value"] == 0.8
+    assert pd["TTFT p50 vs baseline"]["value"] == 0.25 and pd["TTFT p90 vs strata-remote"]["value"] == 0.5
+    assert all(c["met"] is None and c["bound"] is None for t, c in pd.items() if t.startswith(("throughput", "TTFT")))
+    loaded = pd["prompt tokens the decode server loaded"]
+    assert loaded["value"] == 0.9 and loaded["met"]  # device hits are vLLM's own, not loaded

@@ -26,7 +26,7 @@ from ..client import astream, session
 from ..serving import Server, cached_by_source, free_port, listening, request, vllm_command
 from . import ttft
 
-CONFIGS = ("baseline", "hicache", "strata-l1l2", "strata-remote", "peer", "lmcache")
+CONFIGS = ("baseline", "hicache", "strata-l1l2", "strata-remote", "peer", "lmcache", "disagg")
 # SGLang only: HiCache's host pool with no storage backend, what SGLang's own hierarchy gives
 SGLANG_ONLY = ("hicache",)
 
@@ -122,7 +122,7 @@ class Endpoint:
             return None
 
 
-def _strata_yaml(path: Path, s: Settings, folder: Path, remote: str | None) -> Path:
+def strata_yaml(path: Path, s: Settings, folder: Path, remote: str | None) -> Path:
     lines = ["l1:", f"  size: {s.l1_size}", "l2:"]
     if remote:  # the shared tier stands in for the disk tier
         lines += ["  enabled: false", "remote:", "  enabled: true", "  backend: redis", f"  url: {remote}"]
@@ -185,14 +185,25 @@ def launch(s: Settings, config: str, folder: Path) -> Iterator[Endpoint]:
             yield _sglang(s, config, folder, stack)
 
 
+def vllm_flags(s: Settings) -> list[str]:
+    """The flags every vLLM server of a bench gets beside the model, port and block size."""
+    return ["--num-gpu-blocks-override", str(s.device_tokens // s.block_tokens),
+            "--max-model-len", str(s.max_model_len), "--max-num-batched-tokens", str(s.max_batched_tokens),
+            "--dtype", s.dtype, "--seed", "0"]
+
+
 def _vllm(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -> Endpoint:
+    if config == "disagg":  # two servers and a router (serve_disagg.py)
+        from . import serve_disagg
+
+        return serve_disagg.launch(s, folder, stack)
     env = common_env(s)
     kv: dict[str, Any] | None = None
     if config == "strata-l1l2":
-        kv = ttft.strata_transfer_config(_strata_yaml(folder / "kvstrata.yaml", s, folder, None))
+        kv = ttft.strata_transfer_config(strata_yaml(folder / "kvstrata.yaml", s, folder, None))
     elif config == "strata-remote":
         url = stack.enter_context(redis_server(s.redis_url, folder / "redis"))
-        kv = ttft.strata_transfer_config(_strata_yaml(folder / "kvstrata.yaml", s, folder, url))
+        kv = ttft.strata_transfer_config(strata_yaml(folder / "kvstrata.yaml", s, folder, url))
     elif config == "peer":
         kv = ttft.example_transfer_config(folder / "peer")
     elif config == "lmcache":
@@ -201,10 +212,7 @@ def _vllm(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -
     elif config != "baseline":
         raise ValueError(f"config {config!r} is not available with vLLM")
     port = free_port()
-    extra = ["--num-gpu-blocks-override", str(s.device_tokens // s.block_tokens),
-             "--max-model-len", str(s.max_model_len), "--max-num-batched-tokens", str(s.max_batched_tokens),
-             "--dtype", s.dtype, "--seed", "0"]
-    cmd = vllm_command(s.model, port, kv, block_size=s.block_tokens, extra=extra)
+    cmd = vllm_command(s.model, port, kv, block_size=s.block_tokens, extra=vllm_flags(s))
     stack.enter_context(Server(cmd, folder / "server.log", port, env=env, timeout=s.start_timeout))
     return Endpoint("vllm", f"http://127.0.0.1:{port}", s.model, s.request_timeout)
 
@@ -227,7 +235,7 @@ def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack)
                  "--hicache-storage-prefetch-policy", "wait_complete"]
     if config in ("strata-l1l2", "strata-remote"):
         url = stack.enter_context(redis_server(s.redis_url, folder / "redis")) if config == "strata-remote" else None
-        kvstrata = _strata_yaml(folder / "kvstrata.yaml", s, folder, url)
+        kvstrata = strata_yaml(folder / "kvstrata.yaml", s, folder, url)
         plugin = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
                   "class_name": "StrataStorage", "interface_v1": 1,
                   "config_file": str(kvstrata)}
