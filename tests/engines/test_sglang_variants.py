@@ -7,7 +7,8 @@ decoding (issue 29 item 4).
   layers (the stage is part of the namespace), so every page is stored once per stage; SGLang
   takes the MIN of the stages' storage hits (``cache_controller._sync_prefetch_hit_query``), so a
   hit covers every stage. A prompt comes back from storage after ``/flush_cache`` with the cold
-  run's output (SGLang's ``file`` backend does the same, 592 of 600 tokens).
+  run's output (SGLang's ``file`` backend does the same, 592 of 600 tokens); a prompt whose later
+  stage's pages are deleted from kvstrata's disk tier is not served from storage at all.
 - MLA (the ``mla`` preset, a DeepSeek-V2): SGLang's CPU rotary embedding takes DeepSeek's YaRN
   scaling only, so the preset (default RoPE) fails while the model is built (a bare
   ``assert rope_scaling is not None`` in ``get_rope_cpu``). With the keys DeepSeek-V2's own
@@ -50,6 +51,7 @@ from kvstrata.tools.sglang_server import SGLangServer, SGLangUnavailable, cpu_en
 pytestmark = [needs_sglang, pytest.mark.timeout(900)]
 
 PROMPT = ids(29, 600)
+OTHER = ids(30, 600)
 
 # Keys of DeepSeek-V2's own config.json that transformers' DeepseekV2Config (the mla preset's)
 # leaves out; SGLang reads them. YaRN of factor 1 is the preset's RoPE.
@@ -165,28 +167,51 @@ def refusals(sglang_servers: SGLangServers, tmp_path_factory: pytest.TempPathFac
         return {**{name: f.result() for name, f in logs.items()}, "in_process": checks.result()}
 
 
-def test_sglang_serves_pipeline_parallelism_and_strata_storage_hits_on_both_stages_with_the_cold_output(
+def block_files(l2: Path, want: int) -> list[Path]:
+    """kvstrata's disk files once there are ``want`` of them (backups to storage are asynchronous)."""
+    deadline = time.monotonic() + 60
+    while len(files := list((l2 / "blocks").glob("*/*.kvb"))) < want:
+        assert time.monotonic() < deadline, f"{len(files)} of {want} pages reached kvstrata's disk tier"
+        time.sleep(0.2)
+    return files
+
+
+def test_sglang_serves_pipeline_parallelism_from_strata_storage_only_where_every_stage_hits(
         sglang_servers, model, tmp_path):
+    """Scenario: PP=2, kvstrata's L1 smaller than the host pools (pages go straight to disk). A
+    prompt comes back from storage on both stages after ``/flush_cache``; a second prompt whose
+    later stage's files are all deleted is not served from storage at all (SGLang takes the MIN of
+    the stages' hits), and is recomputed with its cold output."""
     sglang_servers.stop()  # a PP=2 server is two schedulers: nothing else beside it
-    config = sglang_config(tmp_path / "sglang.json", tmp_path / "l2")
+    l2 = tmp_path / "l2"
+    config = sglang_config(tmp_path / "sglang.json", l2, l1={"size": "4MiB"})
     server = variant(model, config, tmp_path / "sglang.log", ["--pp-size", "2", "--skip-server-warmup"],
                      {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
+    pages = len(PROMPT) // PAGE
     with server as s:
         cold = sglang_generate(s, PROMPT)
-        want = 2 * (len(PROMPT) // PAGE)  # every full page, once per stage
-        deadline = time.monotonic() + 60  # backups to storage are asynchronous
-        while len(list((tmp_path / "l2" / "blocks").glob("*/*.kvb"))) < want:
-            assert time.monotonic() < deadline, "the prompt's pages did not reach kvstrata's disk tier from both stages"
-            time.sleep(0.2)
+        first = set(block_files(l2, 2 * pages))  # every full page, once per stage
         s.flush()
         again = sglang_generate(s, PROMPT)
+        other_cold = sglang_generate(s, OTHER)
+        later = re.search(r"PP1\] kvstrata: namespace (\w+) ", sglang_log(s))
+        assert later, sglang_log(s)[-4000:]
+        others = set(block_files(l2, 4 * pages)) - first
+        gone = [f for f in others if f.read_bytes()[40:48].hex() == later[1]]  # the header's namespace seed
+        assert len(gone) == pages, (len(gone), len(others))
+        for f in gone:
+            f.unlink()
+        s.flush()
+        other_again = sglang_generate(s, OTHER)
     log = sglang_log(s)
     for stage in ("PP0", "PP1"):  # each stage: a namespace of its own over its 2 layers, and the hit
         assert re.search(rf"{stage}\] kvstrata: namespace \w+ \(MHATokenToKVPoolHost:layer_first:\[2, 2, 16, 2, 64\]",
                          log), log[-4000:]
-        assert f"{stage}] HiCache prefetch success" in log, log[-4000:]
+        assert re.search(rf"{stage}\] HiCache prefetch success req=\w+ completed={pages * PAGE} ", log), log[-4000:]
     assert cold["storage"] == 0 and again["device"] == 0 and again["storage"] >= len(PROMPT) - PAGE, again
     assert again["tokens"] == cold["tokens"]
+    assert other_again["storage"] == 0 and other_again["device"] == 0, other_again  # stage 0 alone: no hit
+    assert other_again["tokens"] == other_cold["tokens"]
 
 
 def test_sglang_refuses_the_mla_model_at_its_first_prefill_on_cpu_with_strata_storage_attached(refusals):
