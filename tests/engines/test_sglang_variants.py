@@ -54,7 +54,7 @@ PROMPT = ids(29, 600)
 OTHER = ids(30, 600)
 
 # Keys of DeepSeek-V2's own config.json that transformers' DeepseekV2Config (the mla preset's)
-# leaves out; SGLang reads them. YaRN of factor 1 is the preset's RoPE.
+# leaves out; SGLang reads them. YaRN of factor 1 rotates as the preset's default RoPE.
 DEEPSEEK_V2_KEYS = {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 1.0,
                                         "original_max_position_embeddings": 4096, "beta_fast": 32,
                                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
