@@ -46,6 +46,7 @@ import pytest
 
 from engines.conftest import (PAGE, ROOT, SGLangServers, ids, needs_sglang, new_sglang_server, sglang_args,
                               sglang_config, sglang_generate, sglang_log, sglang_python, tiny_model)
+from kvstrata.blockfmt import HEADER_SIZE, unpack_header
 from kvstrata.tools.sglang_server import SGLangServer, SGLangUnavailable, cpu_env
 
 pytestmark = [needs_sglang, pytest.mark.timeout(900)]
@@ -197,7 +198,7 @@ def test_sglang_serves_pipeline_parallelism_from_strata_storage_only_where_every
         later = re.search(r"PP1\] kvstrata: namespace (\w+) ", sglang_log(s))
         assert later, sglang_log(s)[-4000:]
         others = set(block_files(l2, 4 * pages)) - first
-        gone = [f for f in others if f.read_bytes()[40:48].hex() == later[1]]  # the header's namespace seed
+        gone = [f for f in others if unpack_header(f.read_bytes()[:HEADER_SIZE]).ns_seed[:8].hex() == later[1]]
         assert len(gone) == pages, (len(gone), len(others))
         for f in gone:
             f.unlink()
