@@ -21,22 +21,29 @@ backend), which warms up: 2 engines, one after the other on one disk tier (cold,
 prefix cache is reset: L1; fresh: L2); outputs equal vLLM alone without pipeline parallelism.
 Between them the later stage's part of one block of a third prompt is damaged on disk: the fresh
 engine's hit stops before that block, which it recomputes (a stage's part is never served alone).
+And the first engine ends with its last stage's worker killed during a save: frozen (SIGSTOP)
+before a fourth prompt is sent, so the first stage runs the prompt and writes its layers while the
+last stage cannot, then killed. The fresh engine serves nothing of that prompt.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, StepEngine, delta, disk_config, gen, ids
+from engines.conftest import BS, EngineFailed, StepEngine, delta, disk_config, gen, ids
 from engines.test_vllm_tp import RankHarness
 
 pytest.importorskip("vllm")
 
 PP = 2
 WARM = {"mode": 1, "backend": "eager"}  # torch.compile with the eager backend: vLLM warms the model up
-PROMPT, OTHER, DAMAGED = ids(91, 600), ids(92, 300), ids(95, 600)
+PROMPT, OTHER, DAMAGED, KILLED = ids(91, 600), ids(92, 300), ids(95, 600), ids(96, 600)
 LAYER_PAGE = BS * 2 * 2 * 64 * 2  # one layer's block: 2 KV heads, K and V of 64, bf16
 
 
@@ -65,11 +72,42 @@ def test_a_save_is_committed_when_every_stage_wrote_its_layers(model, tmp_path):
         h.scheduler.shutdown()
 
 
+def stage_worker(engine: StepEngine, stage: int) -> int:
+    """The pid of ``engine``'s worker process for pipeline stage ``stage`` (vLLM titles it
+    ``VLLM::Worker_PP<stage>``), among the processes of the engine's session."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(entry)) == engine.proc.pid and \
+                    f"Worker_PP{stage}".encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            continue
+    assert len(found) == 1, (stage, found)
+    return found[0]
+
+
+def kill_last_stage_mid_save(engine: StepEngine, prompt: list[int]) -> str:
+    """The last stage's worker is frozen, ``prompt`` is sent, the first stage runs it and writes
+    its layers (3 s), then the frozen worker is killed. Returns how the request ended (it cannot
+    succeed: its last stage never ran)."""
+    worker = stage_worker(engine, PP - 1)
+    os.kill(worker, signal.SIGSTOP)
+    engine.send([gen(prompt)])
+    time.sleep(3)
+    os.kill(worker, signal.SIGKILL)
+    try:
+        return json.dumps(engine.receive(timeout=120))
+    except EngineFailed as e:  # the step failed, or the engine exited
+        return f"failed: {str(e)[:200]}"
+
+
 @pytest.fixture(scope="module")
 def pp_runs(model, baseline, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("pp")
     cfg = disk_config(tmp)
-    runs: dict = {"alone": baseline.many([PROMPT, OTHER]), "damaged_alone": baseline(DAMAGED)}
+    runs: dict = {"alone": baseline.many([PROMPT, OTHER]), "damaged_alone": baseline(DAMAGED),
+                  "killed_alone": baseline(KILLED)}
     counters = {"op": "counters"}
 
     def files() -> set:
@@ -82,6 +120,7 @@ def pp_runs(model, baseline, tmp_path_factory) -> dict:
         deadline = time.monotonic() + 60  # the disk tier is written in the background
         while len(files() - before) < len(DAMAGED) // BS + 1 and time.monotonic() < deadline:
             time.sleep(0.05)
+        runs["killed"] = kill_last_stage_mid_save(first, KILLED)
     # The later stage's layers of one full block of DAMAGED are damaged on disk (they end the
     # payload): the block fails its checksum, so a fresh engine's hit stops before it.
     victim = max(sorted(files() - before), key=lambda f: f.stat().st_size)
@@ -89,8 +128,8 @@ def pp_runs(model, baseline, tmp_path_factory) -> dict:
     data[-100] ^= 0x5A
     victim.write_bytes(bytes(data))
     with StepEngine(model, tmp, cfg, name="pp-fresh", pp=PP, compilation=WARM) as second:
-        runs["fresh"] = second.run([gen(PROMPT), gen(OTHER), counters, gen(DAMAGED), counters])
-    print("pp:", [r["cached"] for phase in ("first", "fresh") for r in runs[phase] if "cached" in r])
+        runs["fresh"] = second.run([gen(PROMPT), gen(OTHER), counters, gen(DAMAGED), counters, gen(KILLED)])
+    print("pp:", [r["cached"] for phase in ("first", "fresh") for r in runs[phase] if "cached" in r], runs["killed"][:120])
     return runs
 
 
@@ -116,7 +155,15 @@ def test_fresh_pp2_engine_loads_both_stages_from_disk(pp_runs):
 
 @pytest.mark.timeout(600)
 def test_a_block_whose_later_stage_part_is_damaged_is_recomputed_and_the_hit_stops_before_it(pp_runs):
-    _, _, counters, damaged, after = pp_runs["fresh"]
+    _, _, counters, damaged, after, _ = pp_runs["fresh"]
     assert damaged["tokens"] == pp_runs["damaged_alone"]
     assert damaged["cached"] < len(DAMAGED) - 1 and damaged["cached"] % BS == 0, damaged["cached"]
     assert delta(after, counters).get("checksum_failures") == 1
+
+
+@pytest.mark.timeout(600)
+def test_a_stage_killed_during_a_save_leaves_nothing_half_committed_to_serve(pp_runs):
+    assert pp_runs["killed"].startswith("failed"), pp_runs["killed"]  # killed mid-request, not after it
+    after_restart = pp_runs["fresh"][-1]
+    assert after_restart["cached"] == 0, after_restart["cached"]  # the first stage's part alone: not committed
+    assert after_restart["tokens"] == pp_runs["killed_alone"]
