@@ -209,8 +209,8 @@ def test_disagg_configs_and_their_comparisons():
 
     def row(config: str, req_s: float, p50: float, tiers: dict) -> dict:
         return {"config": config, "concurrency": 8, "throughput_req_s": req_s, "ttft_p50_ms": p50,
-                "ttft_p90_ms": 2 * p50, "hit_rate": 0.5, "tokens_recomputed": 100, "prompt_tokens": 1000,
-                "tokens_per_tier": tiers}
+                "ttft_p90_ms": 2 * p50, "hit_rate": 0.5, "tokens_recomputed": 50, "prompt_tokens": 1000,
+                "tokens_per_tier": tiers, "whole_prompt_hits": 0.9}
 
     checks = serve.ratios([row("baseline", 1.0, 400.0, {}), row("strata-remote", 1.5, 200.0, {"external_unspecified": 500}),
                            row("disagg", 1.2, 100.0, {"external_unspecified": 900, "device": 50})], 0.5)
@@ -218,5 +218,7 @@ def test_disagg_configs_and_their_comparisons():
     assert pd["throughput vs baseline"]["value"] == 1.2 and pd["throughput vs strata-remote"]["value"] == 0.8
     assert pd["TTFT p50 vs baseline"]["value"] == 0.25 and pd["TTFT p90 vs strata-remote"]["value"] == 0.5
     assert all(c["met"] is None and c["bound"] is None for t, c in pd.items() if t.startswith(("throughput", "TTFT")))
-    loaded = pd["prompt tokens the decode server loaded"]
-    assert loaded["value"] == 0.9 and loaded["met"]  # device hits are vLLM's own, not loaded
+    assert pd["prompt tokens the decode server loaded"]["value"] == 0.9  # device hits are vLLM's own
+    assert pd["prompt tokens the decode server computed"]["value"] == 0.05
+    whole = pd["decode legs that computed only the prompt's last token"]
+    assert whole["value"] == 0.9 and whole["bound"] == 0.95 and whole["met"] is False

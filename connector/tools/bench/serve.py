@@ -209,6 +209,8 @@ def summarize(config: str, concurrency: int | None, rec: Record, wall_s: float,
     ttfts = [r.ttft_ms for r in ok]
     prompt = sum(len(rec.turns[i].prompt) for i in rec.results)
     cached = sum(r.cached.get("total", 0) for r in ok)
+    # requests that computed nothing of their prompt but its last token (what a decode leg should do)
+    whole = sum(r.cached.get("total", 0) >= len(rec.turns[i].prompt) - 1 for i, r in rec.results.items())
     if not tiers:  # SGLang: per request, by where the tokens were found
         for r in ok:
             for k, v in r.cached.items():
@@ -223,6 +225,7 @@ def summarize(config: str, concurrency: int | None, rec: Record, wall_s: float,
             "tokens_per_tier": {k: int(v) for k, v in sorted(tiers.items()) if v},
             "errors": len(rec.errors), "requests": len(rec.turns), "prompt_tokens": prompt,
             "cached_tokens": cached, "tokens_recomputed": prompt - cached, "wall_s": round(wall_s, 2),
+            "whole_prompt_hits": round(whole / len(ok), 4) if ok else None,
             "prompt_wait_s": round(min(prompt_wait_s(rec), wall_s), 2),
             "ttft_ms": [round(x, 1) for x in ttfts],
             "error_samples": sorted(set(rec.errors.values()))[:3]}
