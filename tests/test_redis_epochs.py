@@ -174,7 +174,10 @@ def test_a_forged_announcement_cannot_set_an_epoch(tmp_path, server):
         client = redis.Redis.from_url(url)
         for message in (f"{NS.seed.hex()}:{1 << 64}", "zz:1", "\xff", f"{NS.seed.hex()}:0"):
             client.publish("kvstrata:epochs", message)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30  # the subscriber thread reads them (slow on a loaded machine)
+        while writer.counters.get("remote_bad_messages") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)  # and the last two, which are well-formed
         assert writer.lookup(NS, tokens()).num_blocks == 4
         assert writer.current_epoch(NS) == current
         assert writer.counters.get("remote_bad_messages") >= 2
