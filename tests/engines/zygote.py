@@ -17,6 +17,7 @@ sends its exit status on the request's socket.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -102,17 +103,9 @@ def serve(path: str) -> None:
                 break
             conn = children.pop(pid, None)
             if conn is not None:
-                with _quiet():
+                with contextlib.suppress(OSError):  # the requester may be gone
                     conn.sendall(STATUS.pack(status))
                 conn.close()
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, *_: object) -> bool:
-        return kind is not None and issubclass(kind, OSError)
 
 
 # ------------------------------------------------------------------------------------ client
