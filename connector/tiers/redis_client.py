@@ -1,6 +1,7 @@
 """tiers/redis_client.py: talking to Redis for the L3 tier and its epochs: ``connect`` (a client
-with kvstrata's timeouts), which errors are the service's (``service_errors``, ``is_wrong_type``),
-and how a value that fails its checks is reported (``Rejections``, ``shown``).
+with kvstrata's timeouts and TLS settings, ``tls_options``), the URL for a log line without its
+password (``redact_url``), which errors are the service's (``service_errors``,
+``is_wrong_type``), and how a value that fails its checks is reported (``Rejections``, ``shown``).
 
 Nothing read from Redis is trusted: any host that can write there can put anything under
 kvstrata's names. A bad value is a miss (the engine recomputes), counted by kind and logged: a
@@ -11,11 +12,13 @@ characters.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
-from ..config import RemoteConfig
+from ..config import ConfigError, RemoteConfig
 from ..metrics import Counters
 
 log = logging.getLogger(__name__)
@@ -35,11 +38,49 @@ def connect(cfg: RemoteConfig, blocking: bool = False) -> Any:
 
     timeout = cfg.timeout_ms / 1000
     kwargs: dict[str, Any] = dict(socket_timeout=None if blocking else timeout, socket_connect_timeout=timeout)
-    if cfg.tls_ca is not None:
-        kwargs["ssl_ca_certs"] = str(cfg.tls_ca)
+    kwargs.update(tls_options(cfg))
     if cfg.cluster:
         return RedisCluster.from_url(cfg.url, **kwargs)
     return redis.Redis.from_url(cfg.url, retry_on_timeout=False, **kwargs)
+
+
+def tls_options(cfg: RemoteConfig) -> dict[str, Any]:
+    """redis-py's TLS arguments for ``cfg``. With ``rediss://`` the server's certificate is
+    verified against ``tls_ca`` (else the system's CAs) and must name the URL's host (redis-py
+    before 6 did not check the name unless asked). A client certificate, where the server asks for
+    one, goes in the URL's query: ``?ssl_certfile=...&ssl_keyfile=...`` (query arguments win).
+
+    Raises ``ConfigError`` at start-up for a ``tls_ca`` the client would fail on at every call: with
+    a ``redis://`` or ``unix://`` URL (redis-py raises TypeError, a bug to the breaker) or a file
+    that cannot be read (every call an OSError, so the tier would only ever miss)."""
+    tls = cfg.url.startswith("rediss://")
+    if cfg.tls_ca is not None:
+        if not tls:
+            raise ConfigError(f"remote.tls_ca is set ({cfg.tls_ca}) but remote.url is not a rediss:// URL: "
+                              "use rediss:// for TLS, or remove remote.tls_ca")
+        if not os.access(cfg.tls_ca, os.R_OK) or not cfg.tls_ca.is_file():
+            raise ConfigError(f"remote.tls_ca: cannot read the CA bundle {cfg.tls_ca}")
+    if not tls:
+        return {}
+    options: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+    if cfg.tls_ca is not None:
+        options["ssl_ca_certs"] = str(cfg.tls_ca)
+    return options
+
+
+def redact_url(url: str) -> str:
+    """``url`` for a log line or a message: an ACL password (``user:password@``) and any
+    ``password`` query argument shown as ``***``."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        auth, host = netloc.rsplit("@", 1)
+        user, sep, _password = auth.partition(":")
+        netloc = f"{user}{sep}{'***' if sep else ''}@{host}"
+    query = "&".join(f"{k}=***" if k.lower().endswith("password") else f"{k}={v}" if v else k
+                     for k, _, v in (q.partition("=") for q in parts.query.split("&") if q))
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else ""))
 
 
 def service_errors() -> tuple[type[BaseException], ...]:
