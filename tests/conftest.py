@@ -165,7 +165,18 @@ TOOL_PROCESSES = ("cli.py", "ttft_worker.py", "kvstrata")  # a kvstrata command'
 BASELINES_ENV = "KVSTRATA_TEST_BASELINES"  # the engine tests' no-connector outputs (tests/engines/conftest.py)
 
 
+# OpenMP threads that wait for work sleep instead of spinning. Two test workers run engines side by
+# side on 2 cores, each engine with an OpenMP pool as wide as the machine, so a spinning waiter takes
+# the core the other engine computes on. Measured here (test_vllm_spec.py + test_vllm_mla.py, -n 2,
+# 7 engines, alternated): 66 s and 76 s passive against 90 s and 126 s with libgomp's default spin;
+# one thread per engine (OMP_NUM_THREADS=1) took 108 s. No effect on what is computed. Set before the
+# workers, engines and servers start: each reads it when it loads libgomp.
+OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    for name, value in OMP_ENV.items():
+        os.environ.setdefault(name, value)
     if STARTS_ENV not in os.environ:  # else a child pytest: it counts into its parent's file
         fd, path = tempfile.mkstemp(prefix="kvstrata-engine-starts-")
         os.close(fd)
