@@ -20,6 +20,7 @@ from .config import ConfigError, load_config
 from .keys import Namespace
 from .progress import SHARD_FOLDERS, ShardBar, shard_bar
 from .store import BlockStore
+from .tiers.redis_client import redact_url
 
 log = logging.getLogger("kvstrata")
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
@@ -54,7 +55,9 @@ def _open(args: argparse.Namespace) -> BlockStore:
 def config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file)
     print(f"{args.file}: ok")
-    log.debug("config: %s", cfg.model_dump_json())
+    dump = cfg.model_dump(mode="json")
+    dump["remote"]["url"] = redact_url(cfg.remote.url)  # an ACL password stays out of the log
+    log.debug("config: %s", json.dumps(dump))
     return 0
 
 
