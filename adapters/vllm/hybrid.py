@@ -64,7 +64,7 @@ class HybridPlans:
         for h in hit.hits:  # every block a memory copy away: stage what only a backing tier holds
             found = store.arena.slots(h)
             if any(s is None for s in found):
-                store.stage(h._replace(lease=None))  # under the group's own pin
+                store.stage(h._replace(lease=None), local_copy=self.side.role.local_copy)  # under the group's own pin
                 found = store.arena.slots(h)
             if any(s is None for s in found):  # damaged or gone meanwhile: no partial promises
                 self._give_back(hit)
