@@ -4,7 +4,8 @@ one check of a block read back from a tier that leaves the process.
 
 Layout (little endian): magic ``KVSB``, format version u16, flags u16 (bit 0: partial block),
 key, parent key and namespace seed (16 B each), fingerprint, payload checksum (xxh3-64), epoch and
-payload size (u64 each), token count u32, padding, then an xxh3-64 of the preceding 120 bytes.
+payload size (u64 each), token count u32, the MAC tag (16 bytes, zero unless the tier is
+authenticated: see ``auth``), padding, then an xxh3-64 of the preceding 120 bytes.
 Nothing read back is trusted: every field is bounds-checked and the header has its own checksum,
 so a torn or foreign file is rejected before its size is used. Never pickle.
 """
@@ -20,11 +21,13 @@ from .index import EntryMeta
 from .keys import FORMAT_VERSION
 
 MAGIC = b"KVSB"
-HEADER = struct.Struct("<4sHH16s16s16sQQQQI28x")
+HEADER = struct.Struct("<4sHH16s16s16sQQQQI16s12x")
 HEADER_SIZE = HEADER.size + 8
 MAX_BLOCK_BYTES = 1 << 32
 _TAIL = 1
-assert HEADER_SIZE == 128
+TAG_AT, TAG_SIZE = 92, 16  # where the MAC tag sits (``auth``): right after the fields it covers
+NO_TAG = bytes(TAG_SIZE)
+assert HEADER_SIZE == 128 and struct.calcsize("<4sHH16s16s16sQQQQI") == TAG_AT
 
 
 class FormatError(ValueError):
@@ -39,10 +42,10 @@ class FormatError(ValueError):
         self.corrupt = corrupt
 
 
-def pack_header(meta: EntryMeta) -> bytes:
+def pack_header(meta: EntryMeta, tag: bytes = NO_TAG) -> bytes:
     body = HEADER.pack(
         MAGIC, FORMAT_VERSION, _TAIL if meta.tail else 0, meta.key, meta.parent, meta.ns_seed,
-        meta.fp, meta.checksum, meta.epoch, meta.size, meta.ntok,
+        meta.fp, meta.checksum, meta.epoch, meta.size, meta.ntok, tag,
     )
     return body + xxhash.xxh3_64_digest(body)
 
@@ -54,7 +57,7 @@ def unpack_header(buf: bytes | memoryview, where: str = "block") -> EntryMeta:
     body = bytes(buf[: HEADER.size])
     if xxhash.xxh3_64_digest(body) != bytes(buf[HEADER.size : HEADER_SIZE]):
         raise FormatError(f"{where}: header checksum mismatch")
-    magic, version, flags, key, parent, ns_seed, fp, checksum, epoch, size, ntok = HEADER.unpack(body)
+    magic, version, flags, key, parent, ns_seed, fp, checksum, epoch, size, ntok, _tag = HEADER.unpack(body)
     if magic != MAGIC:
         raise FormatError(f"{where}: bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
@@ -92,7 +95,7 @@ def payload_checksum_of(parts: Sequence[memoryview]) -> int:
 class Mismatch(NamedTuple):
     """Why a stored block is not the block asked for. ``kind``: ``bad_header`` (not a header of
     this format), ``wrong_key`` (another block's header), ``wrong_size`` (sizes disagree) or
-    ``checksum`` (payload bytes changed). ``corrupt`` is False only for a well-formed header of
+    ``checksum`` (payload bytes changed); with a secret (``auth``), ``auth`` (it fails its MAC). ``corrupt`` is False only for a well-formed header of
     another format version: not this kvstrata's to delete."""
 
     kind: str

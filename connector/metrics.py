@@ -59,6 +59,9 @@ METRICS: tuple[MetricDef, ...] = (
               "load_failures"),
     MetricDef("checksum_failures", "counter", "Blocks whose stored bytes failed their checksum.",
               "checksum_failures"),
+    MetricDef("auth_failures", "counter", "Values read back from a tier that failed their MAC (forged, or written "
+              "under another secret, key, namespace or epoch): blocks, index entries, epochs, descriptors and "
+              "announcements. Each is a miss.", "{tier}_auth_failures"),
     MetricDef("saves_dropped", "counter", "Blocks not saved because the save queue was full.", "saves_dropped"),
     MetricDef("evictions", "counter", "Blocks evicted from a tier for capacity.", "{tier}_evicted"),
     MetricDef("invalidations", "counter", "Namespace invalidations (epoch bumps).", "invalidations"),

@@ -89,6 +89,10 @@ class L2Config(_Model):
     write: Literal["through", "on_evict"] = "through"
     """``through``: every saved block is also written to disk in the background.
     ``on_evict``: a block goes to disk only when L1 evicts it."""
+    authenticate: bool = False
+    """MAC every disk block (and epoch file) under the deployment secret (``remote.auth_key_file``
+    or ``$KVSTRATA_AUTH_KEY``), as the shared tier is: for a host where others can write the L2
+    folder. Off: L2 is trusted through its file modes (0700/0600)."""
 
     @field_validator("path", mode="after")
     @classmethod
@@ -132,6 +136,12 @@ class RemoteConfig(_Model):
     is unreachable. It risks serving blocks another instance invalidated meanwhile (a weight
     update, a reset) for as long as the outage lasts."""
     breaker: BreakerConfig = BreakerConfig()
+    auth_key_file: Path | None = None
+    """A file holding the deployment secret (at least 32 bytes; surrounding whitespace ignored):
+    every value read back from the shared tier must carry a MAC under it (``kvstrata.auth``).
+    Unset: ``$KVSTRATA_AUTH_KEY``, else the shared tier is unauthenticated (a warning at start).
+    Deployments (tenants) with different secrets share one Redis or folder without ever serving
+    each other's blocks. The secret itself never goes in the YAML."""
 
     @property
     def staleness_bound_s(self) -> float:
@@ -149,6 +159,22 @@ class RemoteConfig(_Model):
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return None if v is None else _expand_path(v)
+
+    @field_validator("auth_key_file", mode="after")
+    @classmethod
+    def _key_file(cls, v: Path | None) -> Path | None:
+        """Expanded, and read once now so that a missing, unreadable or short secret fails here,
+        naming the key (the secret is not kept: the tiers read it again when they open)."""
+        if v is None:
+            return None
+        from ..auth import SecretError, read_secret_file
+
+        v = _expand_path(v)
+        try:
+            read_secret_file(v)
+        except SecretError as e:
+            raise ValueError(str(e)) from None
+        return v
 
     @model_validator(mode="after")
     def _fs_needs_path(self) -> "RemoteConfig":

@@ -10,15 +10,21 @@ seen by all of them.
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 
-from ..config import StrataConfig, check_fits_one_block
+from ..auth import ENV as AUTH_ENV, SecretError, open_auth
+from ..config import ConfigError, StrataConfig, check_fits_one_block
 from ..epochs import EpochStore, MemoryEpochs
 from ..index import BlockIndex
 from ..metrics import Counters
 from ..tiers import REMOTE_BACKENDS, BlockTier, DiskTier, FileEpochs, MemoryTier
 from .recovery import Recovery
 from .saver import Saver
+
+log = logging.getLogger(__name__)
+_said: set[str] = set()  # shared tiers whose (un)authenticated state this process has logged
 
 
 @dataclass(slots=True)
@@ -53,16 +59,37 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
     backing: list[BlockTier] = []
     l2: DiskTier | None = None
     epochs: EpochStore = MemoryEpochs()
+    auth = None
+    if config.remote.enabled or (config.l2.enabled and config.l2.authenticate):
+        try:
+            auth = open_auth(config.remote.auth_key_file)
+        except SecretError as e:
+            raise ConfigError(f"kvstrata config {config.source}: remote.auth_key_file: {e}") from None
+        if auth is None and config.l2.enabled and config.l2.authenticate:
+            raise ConfigError(f"kvstrata config {config.source}: l2.authenticate: true needs a secret: set "
+                              f"remote.auth_key_file (a file holding it) or ${AUTH_ENV}")
     if config.l2.enabled:
+        l2_auth = auth if config.l2.authenticate else None
         l2 = DiskTier(counters, config.l2.path, config.l2.size, config.l2.fsync,
-                      config.testing.l2_write_delay_ms / 1000)
+                      config.testing.l2_write_delay_ms / 1000, auth=l2_auth)
         backing.append(l2)
-        epochs = FileEpochs(config.l2.path / "epochs")
+        epochs = FileEpochs(config.l2.path / "epochs", auth=l2_auth, counters=counters, counter_prefix="l2")
     remote: BlockTier | None = None
     if config.remote.enabled:  # the shared tier also holds the epochs every instance obeys
         floor = config.l2.path / "epochs" if config.l2.enabled else None  # the disk remembers
-        remote, epochs = REMOTE_BACKENDS[config.remote.backend](counters, config.remote, floor)
+        remote, epochs = REMOTE_BACKENDS[config.remote.backend](counters, config.remote, floor, auth)
         backing.append(remote)
+        where = re.sub(r"//[^@/]*@", "//", config.remote.url) if config.remote.backend == "redis" else str(
+            config.remote.path)  # never a password in the log
+        if where not in _said and auth is None:
+            _said.add(where)
+            log.warning("kvstrata remote: the shared tier %s is unauthenticated: whoever can write there decides "
+                        "which KV is served (set remote.auth_key_file, or $%s, to a secret of at least 32 bytes)",
+                        where, AUTH_ENV)
+        elif where not in _said:
+            _said.add(where)
+            log.info("kvstrata remote: the shared tier %s is authenticated (keyed BLAKE3 under key id %s)",
+                     where, auth.key_id)
     saver = Saver(config.saves.queue_blocks, config.saves.threads)
     recovery = Recovery(index, l2) if l2 is not None else None
     return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver, recovery)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from ..auth import Auth
 from ..config import RemoteConfig
 from ..epochs import EpochStore
 from ..metrics import Counters
@@ -20,23 +21,26 @@ from .file_epochs import FileEpochs
 from .memory import MemoryTier
 from .sharedfs import SharedFsTier
 
-def _redis(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[BlockTier, EpochStore]:
+def _redis(counters: Counters, cfg: RemoteConfig, floor: Path | None,
+           auth: Auth | None = None) -> tuple[BlockTier, EpochStore]:
     from .redis import RedisTier  # redis-py is an optional dependency
     from .redis_epochs import RedisEpochs
 
-    tier = RedisTier(counters, cfg)
+    tier = RedisTier(counters, cfg, auth=auth)
     return tier, RedisEpochs(tier, cfg, floor)
 
 
-def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None) -> tuple[BlockTier, EpochStore]:
-    tier = SharedFsTier(counters, cfg)
+def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None,
+        auth: Auth | None = None) -> tuple[BlockTier, EpochStore]:
+    tier = SharedFsTier(counters, cfg, auth)
     # The group shares the epochs too; every host reads them, so they are confirmed like Redis's.
     bound = None if cfg.allow_stale_epoch else cfg.staleness_bound_s
     return tier, FileEpochs(tier.root / "epochs", tier.modes(), shared=True,
-                            refresh_s=cfg.invalidation_ms / 1000, bound_s=bound)
+                            refresh_s=cfg.invalidation_ms / 1000, bound_s=bound, auth=auth, counters=counters,
+                            counter_prefix="remote")
 
 
-REMOTE_BACKENDS: dict[str, Callable[[Counters, RemoteConfig, Path | None], tuple[BlockTier, EpochStore]]] = {
+REMOTE_BACKENDS: dict[str, Callable[..., tuple[BlockTier, EpochStore]]] = {  # (counters, cfg, floor, auth)
     "redis": _redis,
     "fs": _fs,
 }

@@ -37,6 +37,12 @@ drops the blocks that do not fit, logged once per burst.
 pool, one run per layer and K/V) and move it with one ``pwritev``/``preadv`` and a streaming
 checksum, so a page goes between the engine's memory and the file with no intermediate copy;
 the file is byte-identical to one written from a contiguous payload.
+
+With ``auth`` (the shared folder with a secret; L2 with ``l2.authenticate``) a block's header
+carries its MAC (``auth``): a block that fails it is a miss, counted (``<tier>_auth_blocks`` and
+``<tier>_auth_failures``) and deleted, and its payload is not checksummed again. ``probe`` reads
+the header only, so a forged file can still be *found*; its load then fails (the engine
+recomputes those tokens), never serves it.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..auth import Auth
 from ..blockfmt import HEADER_SIZE, FormatError, pack_header, unpack_header, verify_block
 from ..index import EntryMeta
 from ..metrics import Counters
@@ -74,8 +81,10 @@ class DiskTier(BlockTier):
     open_mode_bits = 0o022  # an existing root writable by these bits gets a warning (others can plant blocks)
 
     def __init__(self, counters: Counters, root: Path, capacity: int, fsync: bool = False,
-                 delay_s: float = 0.0) -> None:
+                 delay_s: float = 0.0, auth: Auth | None = None) -> None:
         super().__init__(counters)
+        self.auth = auth
+        self._domain = self.name.encode()  # a block's MAC is bound to its tier
         self._delay_s = delay_s  # test-only slow disk (testing.l2_write_delay_ms)
         self.root = Path(root)
         self._capacity = capacity
@@ -149,7 +158,8 @@ class DiskTier(BlockTier):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self._file_mode)
             try:
-                write_all(fd, [pack_header(meta), *parts], cost)
+                header = pack_header(meta) if self.auth is None else self.auth.seal_header(self._domain, meta, parts)
+                write_all(fd, [header, *parts], cost)
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -230,12 +240,19 @@ class DiskTier(BlockTier):
             return False
         finally:
             os.close(fd)
-        bad = verify_block(meta, header, got - HEADER_SIZE, parts, path)
+        if self.auth is None:
+            bad = verify_block(meta, header, got - HEADER_SIZE, parts, path)
+        else:
+            bad = self.auth.verify_block(self._domain, meta, header, got - HEADER_SIZE, parts, path)
         if bad is None:
             self.counters.inc(f"{self.name}_bytes_read", meta.size)
             return True
         log.warning("kvstrata %s: dropping %s: %s", self.label, path, bad.why)
-        self.counters.inc("checksum_failures")
+        if bad.kind == "auth":
+            self.counters.inc(f"{self.name}_auth_blocks")
+            self.counters.inc(f"{self.name}_auth_failures")
+        else:
+            self.counters.inc("checksum_failures")
         if bad.corrupt:  # another format version's block is not ours to delete
             self.delete(meta.key)
         return False

@@ -1,6 +1,12 @@
 """tiers/file_epochs.py: ``FileEpochs``, namespace epochs (see ``epochs``) in a folder every
 process that shares it reads and writes: L2's ``epochs/`` (the processes of one host) or the
 shared folder's (``remote.backend: fs``, every host that mounts it).
+
+With a secret (``auth``: the shared folder's always, L2's with ``l2.authenticate``), an epoch
+file holds ``<epoch>:<tag hex>`` and a descriptor ``<json>\n<tag hex>``, each MAC bound to the
+namespace and the folder's kind (``domain``). An epoch that fails is lost state (a fresh epoch),
+a descriptor that fails is absent; both are counted (``<counter_prefix>_auth_epochs``,
+``_auth_descriptors``, and ``_auth_failures``).
 """
 
 from __future__ import annotations
@@ -11,9 +17,11 @@ import stat
 from pathlib import Path
 from typing import Callable
 
+from ..auth import Auth
 from ..epochs import (Retired, new_epoch, parse_epoch, read_descriptor, read_head,
                       temp_name, write_atomic, write_descriptor, write_new)
 from ..polled_epochs import PolledEpochs, T
+from ..metrics import Counters
 from .folder import make_folder
 
 log = logging.getLogger(__name__)
@@ -43,10 +51,13 @@ class FileEpochs(PolledEpochs):
     """
 
     def __init__(self, root: Path, modes: tuple[int, int] = (0o700, 0o600), *, shared: bool = False,
-                 refresh_s: float = 0.0, bound_s: float | None = 0.0) -> None:
+                 refresh_s: float = 0.0, bound_s: float | None = 0.0, auth: Auth | None = None,
+                 counters: Counters | None = None, counter_prefix: str = "l2") -> None:
         """``modes``: of the folder (if created here) and of the files written; a shared folder
         passes its group bits so that every instance of the group can read and replace them."""
         self._root = root
+        self._auth, self._counters, self._cp = auth, counters, counter_prefix
+        self._domain = counter_prefix
         self._file_mode = modes[1]
         self._shared = shared
         make_folder(root, modes[0])  # concurrent creators are fine; an existing folder keeps its mode
@@ -91,9 +102,19 @@ class FileEpochs(PolledEpochs):
                 raw = read_head(path, 64)
             except FileNotFoundError:
                 continue
-            epoch = parse_epoch(raw)
+            forged = False
+            if self._auth is None:
+                epoch = parse_epoch(raw)
+            else:
+                text = self._auth.open_text(b"epoch:" + self._domain.encode(), ns_seed.hex(), raw.strip())
+                epoch = None if text is None else parse_epoch(text)
+                if epoch is None:
+                    forged = True
+                    self._count("auth_epochs")
             if epoch is None or (ns_seed, epoch) in self.retired:
                 what = "a retired epoch" if epoch is not None else f"no valid epoch ({raw[:32]!r})"
+                if forged:
+                    what = f"a value that fails its MAC ({raw[:32]!r})"
                 log.warning("kvstrata epochs: %s holds %s; starting a new epoch "
                             "(older blocks of this namespace become misses)", path, what)
                 self._replace(ns_seed, epoch)
@@ -102,9 +123,20 @@ class FileEpochs(PolledEpochs):
             return epoch
         raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable epoch")
 
+    def _count(self, kind: str) -> None:
+        if self._counters is not None:
+            self._counters.inc(f"{self._cp}_{kind}")
+            self._counters.inc(f"{self._cp}_auth_failures")
+
+    def _text(self, ns_seed: bytes, epoch: int) -> str:
+        """An epoch file's text: the epoch, with a secret followed by its MAC."""
+        if self._auth is None:
+            return f"{epoch}\n"
+        return self._auth.seal_text(b"epoch:" + self._domain.encode(), ns_seed.hex(), str(epoch).encode()).decode() + "\n"
+
     def _create(self, path: Path) -> None:
         tmp = temp_name(path, "new")
-        write_new(tmp, f"{new_epoch()}\n", self._file_mode)
+        write_new(tmp, self._text(bytes.fromhex(path.name), new_epoch()), self._file_mode)
         try:
             os.link(tmp, path)  # atomic create-if-absent: the first creator wins
         except FileExistsError:
@@ -118,16 +150,26 @@ class FileEpochs(PolledEpochs):
         self._write(ns_seed, new_epoch())
 
     def _write(self, ns_seed: bytes, epoch: int) -> None:
-        write_atomic(self._path(ns_seed), f"{epoch}\n", self._file_mode)
+        write_atomic(self._path(ns_seed), self._text(ns_seed, epoch), self._file_mode)
 
     def describe(self, ns_seed: bytes, blob: bytes) -> None:
+        if self._auth is not None:
+            blob = self._auth.seal_text(b"descriptor:" + self._domain.encode(), ns_seed.hex(), blob, b"\n")
         try:
             write_descriptor(self._root, ns_seed, blob, self._file_mode)
         except OSError as e:
             log.warning("kvstrata epochs: cannot record what namespace %s is in %s: %s", ns_seed.hex(), self._root, e)
 
     def descriptor(self, ns_seed: bytes) -> bytes | None:
-        return read_descriptor(self._root, ns_seed)
+        raw = read_descriptor(self._root, ns_seed)
+        if raw is None or self._auth is None:
+            return raw
+        blob = self._auth.open_text(b"descriptor:" + self._domain.encode(), ns_seed.hex(), raw, b"\n")
+        if blob is None:
+            self._count("auth_descriptors")
+            log.warning("kvstrata epochs: the descriptor of namespace %s in %s fails its MAC; ignored",
+                        ns_seed.hex(), self._root)
+        return blob
 
     def known(self) -> list[bytes]:
         out = []

@@ -2,6 +2,13 @@
 tier: one key per namespace, ``P:epoch:<ns hex>``, and bumps announced on ``P:epochs`` (``P`` is
 ``remote.key_prefix``). Beside each, ``P:ns:<ns hex>`` holds the namespace's descriptor (see
 ``describe``), so that ``kvstrata stats`` on any host names the model.
+
+With a secret (``auth``), ``P`` is the secret's key space (``RedisTier.prefix``) and every value
+carries a MAC bound to its name: an epoch is ``<epoch>:<tag hex>``, a descriptor ``<json>\n<tag
+hex>``, an announcement ``<ns hex>:<tag hex>``. An epoch that fails its MAC is lost state (a fresh
+epoch, ``remote_auth_epochs``); a descriptor that fails is absent (``remote_auth_descriptors``); an
+announcement that fails is ignored (``remote_auth_messages``). Each also counts in
+``remote_auth_failures``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from ..describe import MAX_BYTES as _MAX_DESCRIPTOR
 from ..epochs import Retired, new_epoch, parse_epoch, read_descriptor, write_descriptor
 from ..polled_epochs import PolledEpochs, T
 from .redis import RedisTier
+from ..blockfmt import TAG_SIZE
 from .redis_client import connect, is_wrong_type, service_errors, shown
 
 log = logging.getLogger(__name__)
@@ -61,13 +69,21 @@ class RedisEpochs(PolledEpochs):
         super().__init__(Retired(floor), refresh_s, None if cfg.allow_stale_epoch else cfg.staleness_bound_s)
         self._tier, self._cfg = tier, cfg
         self._floor = floor
-        self._channel = f"{cfg.key_prefix}:epochs"
+        self._auth = tier.auth
+        self._p = tier.prefix
+        self._channel = f"{self._p}:epochs"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._listen, name="kvstrata-epochs", daemon=True)
         self._thread.start()
 
     def _key(self, ns_seed: bytes) -> str:
-        return f"{self._cfg.key_prefix}:epoch:{ns_seed.hex()}"
+        return f"{self._p}:epoch:{ns_seed.hex()}"
+
+    def _seal(self, ns_seed: bytes, epoch: int) -> str | bytes:
+        """An epoch value as stored: its decimal text, with a secret followed by its MAC."""
+        if self._auth is None:
+            return str(epoch)
+        return self._auth.seal_text(b"epoch", self._key(ns_seed), str(epoch).encode())
 
     def _attempt(self, fn: Callable[[], T], default: T) -> T:
         return self._tier.breaker.call(fn, default)
@@ -85,22 +101,31 @@ class RedisEpochs(PolledEpochs):
                     raise
                 kind = client.type(key)
                 reject("remote_wrong_type", "%s is a %s, not an epoch; starting a new one", key, shown(kind))
-                client.eval(self._RETYPE, 1, key, kind, str(new_epoch()))
+                client.eval(self._RETYPE, 1, key, kind, self._seal(ns_seed, new_epoch()))
                 continue
             if raw == b"" and not created:  # missing (or empty): create one, first creator wins
                 created = True
-                client.set(key, str(new_epoch()), nx=True)
+                client.set(key, self._seal(ns_seed, new_epoch()), nx=True)
                 continue
-            epoch = parse_epoch(raw)
+            forged = False
+            if self._auth is None:
+                epoch = parse_epoch(raw)
+            else:
+                text = self._auth.open_text(b"epoch", key, raw)
+                epoch = None if text is None else parse_epoch(text)
+                forged = epoch is None
             if epoch is not None and (ns_seed, epoch) not in self.retired:
                 return epoch
-            if epoch is None:
+            if forged:
+                self._tier.auth_failed("remote_auth_epochs", "%s holds %s, which fails its MAC; starting a new "
+                                       "epoch", key, shown(raw))
+            elif epoch is None:
                 reject("remote_bad_epochs", "%s holds %s, not an epoch; starting a new one", key, shown(raw))
             else:
                 reject("remote_epoch_rollbacks", "%s went back to epoch %d, which was replaced earlier "
                        "(restored snapshot?); starting a new one", key, epoch)
             try:
-                client.eval(self._CAS, 1, key, raw, str(new_epoch()), _EPOCH_BYTES)
+                client.eval(self._CAS, 1, key, raw, self._seal(ns_seed, new_epoch()), _EPOCH_BYTES)
             except Exception as e:  # it changed type meanwhile: read it again
                 if not is_wrong_type(e) and "WRONGTYPE" not in str(e):
                     raise
@@ -108,11 +133,14 @@ class RedisEpochs(PolledEpochs):
         return None
 
     def _write(self, ns_seed: bytes, epoch: int) -> None:
-        self._tier.client.set(self._key(ns_seed), str(epoch))
+        self._tier.client.set(self._key(ns_seed), self._seal(ns_seed, epoch))
 
     def _announce(self, ns_seed: bytes) -> None:
         try:
-            self._tier.client.publish(self._channel, ns_seed.hex())
+            message = ns_seed.hex().encode()
+            if self._auth is not None:
+                message = self._auth.seal_text(b"announce", self._channel, message)
+            self._tier.client.publish(self._channel, message)
         except service_errors() as e:  # the I/O edge: others catch up within invalidation_ms
             log.warning("kvstrata remote: epoch announcement failed (%s); other instances see the "
                         "new epoch within remote.invalidation_ms", e)
@@ -125,18 +153,20 @@ class RedisEpochs(PolledEpochs):
             except OSError as e:
                 log.warning("kvstrata epochs: cannot record what namespace %s is in %s: %s", ns_seed.hex(),
                             self._floor, e)
-        key = f"{self._cfg.key_prefix}:ns:{ns_seed.hex()}"
-        if self._tier.breaker.call(lambda: self._tier.client.set(key, blob), None) is None:
+        key = f"{self._p}:ns:{ns_seed.hex()}"
+        value = blob if self._auth is None else self._auth.seal_text(b"descriptor", key, blob, b"\n")
+        if self._tier.breaker.call(lambda: self._tier.client.set(key, value), None) is None:
             log.warning("kvstrata remote: cannot record what namespace %s is in Redis (unreachable); "
                         "other hosts' `kvstrata stats` will show its id only", ns_seed.hex())
 
     def descriptor(self, ns_seed: bytes) -> bytes | None:
         """Redis's copy, else the local floor's. A key of another type is counted and skipped."""
-        key = f"{self._cfg.key_prefix}:ns:{ns_seed.hex()}"
+        key = f"{self._p}:ns:{ns_seed.hex()}"
+        limit = _MAX_DESCRIPTOR + (0 if self._auth is None else 1 + 2 * TAG_SIZE)
 
         def read() -> bytes | None:
             try:
-                return self._tier.client.getrange(key, 0, _MAX_DESCRIPTOR) or None  # b"": missing
+                return self._tier.client.getrange(key, 0, limit) or None  # b"": missing
             except Exception as e:
                 if not is_wrong_type(e):
                     raise
@@ -145,13 +175,19 @@ class RedisEpochs(PolledEpochs):
                 return None
 
         raw = self._tier.breaker.call(read, None)
+        if raw is not None and self._auth is not None:
+            blob = self._auth.open_text(b"descriptor", key, raw, b"\n")
+            if blob is None:
+                self._tier.auth_failed("remote_auth_descriptors", "%s holds %s, which fails its MAC; ignored",
+                                       key, shown(raw))
+            raw = blob
         if raw is None and self._floor is not None:
             return read_descriptor(self._floor, ns_seed)
         return raw
 
     def known(self) -> list[bytes]:
         names = self._tier.breaker.call(
-            lambda: list(self._tier.client.scan_iter(match=f"{self._cfg.key_prefix}:epoch:*")), [])
+            lambda: list(self._tier.client.scan_iter(match=f"{self._p}:epoch:*")), [])
         out = []
         for name in names:
             seed = _seed_of(name.rsplit(b":", 1)[1] if isinstance(name, bytes) else None)
@@ -163,6 +199,14 @@ class RedisEpochs(PolledEpochs):
 
     def _forget(self, data: object) -> None:
         """An announcement: re-read that namespace at the next ``get``."""
+        if self._auth is not None and data is not None:
+            short = isinstance(data, (bytes, str)) and len(data) <= 256
+            text = self._auth.open_text(b"announce", self._channel, data) if short else None
+            if text is None:
+                self._tier.auth_failed("remote_auth_messages", "ignoring a message on %s that fails its MAC: %s",
+                                       self._channel, shown(data))
+                return
+            data = text
         seed = _seed_of(data.split(b":", 1)[0] if isinstance(data, bytes) and len(data) <= 256 else None)
         if seed is None:
             self._tier.reject("remote_bad_messages", "ignoring a message on %s that names no namespace: %s",

@@ -12,6 +12,10 @@ nothing but kvstrata's own regular files is deleted, and a temp file is a leftov
 older than any write (``TEMP_MAX_AGE_S``): its pid means nothing on this host. The folder's mode is
 its owner's choice; folders and files created here take the group bits of its root, so that
 instances running as different users of one group can share it.
+
+With a secret (``auth``) the tier lives in ``<remote.path>/auth-<key id>`` (the secret's own
+space: deployments with different secrets never read, count or delete each other's files), and
+every block and epoch file carries a MAC (see ``disk`` and ``file_epochs``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import time
 
 import torch
 
+from ..auth import Auth
 from ..blockfmt import HEADER_SIZE
 from ..config import RemoteConfig
 from ..index import EntryMeta
 from ..metrics import Counters
 from .disk import TEMP_MAX_AGE_S, DiskTier
+from .folder import make_folder
 
 
 class SharedFsTier(DiskTier):
@@ -36,10 +42,15 @@ class SharedFsTier(DiskTier):
     bounded = False  # other instances write here too: only the folder-wide sweep enforces the bound
     open_mode_bits = 0o002  # group-writable is how a shared folder is shared; world-writable gets a warning
 
-    def __init__(self, counters: Counters, cfg: RemoteConfig) -> None:
+    def __init__(self, counters: Counters, cfg: RemoteConfig, auth: Auth | None = None) -> None:
         if cfg.path is None:
             raise ValueError("remote.backend fs needs remote.path (the shared folder)")
-        super().__init__(counters, cfg.path, cfg.size)
+        root = cfg.path
+        if auth is not None:  # the secret's own space, with the shared root's group bits
+            make_folder(root, 0o700)
+            root = root / f"auth-{auth.key_id}"
+            make_folder(root, 0o700 | (stat.S_IMODE(os.stat(cfg.path).st_mode) & 0o070))
+        super().__init__(counters, root, cfg.size, auth=auth)
 
     def modes(self) -> tuple[int, int]:
         """The root's group bits carried to the folders (rwx) and files (r) created here."""

@@ -19,6 +19,8 @@ prefix), so no figure includes first-request overheads.
   one earlier process filled (``--redis-url``, flushed first, else a private ``redis-server``).
   The last measured engine of each also serves the output (after a reset of vLLM's own cache, the
   prompt comes through kvstrata again in the engine that loaded it from that tier).
+- ``l3mac``: ``l3`` with a secret (``remote.auth_key_file``): every value read from Redis is
+  checked against its keyed-BLAKE3 MAC (``l3mac_over_l3``: the MAC's cost on a whole L3 hit).
 - ``peer``: vLLM's ``ExampleConnector`` (store once, then reset + request).
 - ``lmcache``: LMCache 0.5.6 in multiprocess mode (``LMCacheMPConnector`` and an ``lmcache server``),
   installed on first use into its own folder beside the venv, used only by those subprocesses.
@@ -60,8 +62,9 @@ from ..serving import free_port, listening
 
 log = logging.getLogger(__name__)
 
-CONFIGS = ("cold", "native", "l1", "l2", "l3", "peer", "lmcache")
-RATIOS = (("cold", "l1"), ("l1", "native"), ("l2", "l1"), ("l3", "l1"), ("l1", "peer"), ("l1", "lmcache"))
+CONFIGS = ("cold", "native", "l1", "l2", "l3", "l3mac", "peer", "lmcache")
+RATIOS = (("cold", "l1"), ("l1", "native"), ("l2", "l1"), ("l3", "l1"), ("l3mac", "l3"), ("l1", "peer"),
+          ("l1", "lmcache"))
 LMCACHE_PACKAGES = ("lmcache==0.5.6", "aiofile", "caio", "aiofiles", "nvtx", "sortedcontainers",
                     "redis", "setuptools_scm", "opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0")
 LMCACHE_MAIN = "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
@@ -284,16 +287,20 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="kvstrata-ttft-"))
     runner, n = Runner(args, work, prompt, warmup), args.rounds
 
-    def kv_config(name: str, redis_url: str | None = None) -> dict:
+    def kv_config(name: str, redis_url: str | None = None, secret: bool = False) -> dict:
         text = f"l1:\n  size: 2GiB\nl2:\n  path: {work / name}-store\n"
         if redis_url:  # the shared tier only: every measured engine starts with empty L1 and L2
             text = f"l1:\n  size: 2GiB\nl2:\n  enabled: false\nremote:\n  enabled: true\n  url: {redis_url}\n"
+        if secret:
+            (key := work / f"{name}.key").write_text(os.urandom(32).hex())
+            key.chmod(0o600)
+            text += f"  auth_key_file: {key}\n"
         (path := work / f"{name}.yaml").write_text(text)
         return strata_transfer_config(path)
 
-    def run_l3() -> dict:
+    def run_l3(name: str = "l3") -> dict:
         with redis_server(args.redis_url, work / "redis") as url:
-            return run_fresh(runner, "l3", kv_config("l3", url), n)
+            return run_fresh(runner, name, kv_config(name, url, secret=name == "l3mac"), n)
 
     repeat = ["time"] * n + ["output"]
     l1_fills_l2 = "l1" in wanted and "l2" in wanted[wanted.index("l1"):]
@@ -306,6 +313,7 @@ def run(args: argparse.Namespace) -> dict:
                                        work / f"{l1_store}-store", (prompt, warmup)),
         "l2": lambda: run_fresh(runner, "l2", kv_config("l2"), n, stored="l1" in results),
         "l3": run_l3,
+        "l3mac": lambda: run_l3("l3mac"),
         "peer": lambda: runner.engine("peer", example_transfer_config(work / "peer"), True, hit_steps(n)),
         "lmcache": lambda: run_lmcache(runner, hit_steps(n)),
     }
