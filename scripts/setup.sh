@@ -48,12 +48,16 @@ vllm() {
 }
 
 services() {
-  # The shared-tier tests start their own redis-server instances on loopback ports.
-  command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 && return 0
-  echo "setup: redis-server (Debian package)" >&2
+  # The shared-tier tests start their own redis-server instances on loopback ports; SGLang's
+  # prefill/decode test loads Mooncake's transfer engine, which links libibverbs even over TCP.
+  local missing=()
+  command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || missing+=(redis-server)
+  ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || missing+=(libibverbs1)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "setup: ${missing[*]} (Debian packages)" >&2
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
 # The working tree's own .pyc files (kvstrata, tests, examples): the same reason as compile_venv.

@@ -38,6 +38,9 @@ install "$VENV" -c "$HOLD" aiohttp "anthropic>=0.20.0" apache-tvm-ffi==0.1.11 bl
   "pyzmq>=25.1.2" regex requests scipy sentencepiece==0.2.1 setproctitle "smg-grpc-servicer>=0.9.0" \
   soundfile==0.13.1 tiktoken tokenizers==0.23.2 tqdm transformers==5.19.0 "uvicorn>=0.51" uvloop \
   watchfiles xgrammar==0.2.7 xxhash zstandard
+# The prefill/decode split's transfer engine (tests/engines/test_sglang_disagg.py): Mooncake's CPU
+# build, over TCP on loopback. It loads libibverbs.so.1 even for TCP (scripts/setup.sh installs it).
+install "$VENV" -c "$HOLD" mooncake-transfer-engine-non-cuda==0.3.13.post1
 # kvstrata itself (editable, so the adapter is the working tree's) with redis-py for its shared
 # tier, and the test tools.
 install "$VENV" -c "$HOLD" -e '.[redis]' pytest pytest-timeout

@@ -19,14 +19,15 @@ What SGLang 0.5.23 does (``sglang/srt/disaggregation/``, ``arg_groups/pd_disaggr
 
 On this CPU machine that runs with the PyPI wheel ``mooncake-transfer-engine-non-cuda`` (0.3.13.post1;
 it needs Debian's ``libibverbs1`` to load, even over TCP), ``--disaggregation-transfer-backend
-mooncake_tcp`` on loopback (``SGLANG_HOST_IP=127.0.0.1``), and one more test-only patch beside the
-CPU shims: SGLang's Mooncake sender declares ``supports_host_tensor_indices``, which makes the
+mooncake_tcp`` on loopback (``SGLANG_HOST_IP=127.0.0.1``), and one more test-only patch in the
+CPU shims (``sglang_cpu_patches.patch_mooncake_sender``): SGLang's Mooncake sender declares ``supports_host_tensor_indices``, which makes the
 prefill server stage page indices in pinned memory behind a CUDA event, and on CPU the first
 prompt's send fails with "RuntimeError: pin_memory=True requires a CUDA or other accelerator
 backend; no pinned memory allocator is available on this system." (the prefill scheduler dies,
-the decode server answers 500, "Lost connection with prefill instance"). The patch (a
-``sitecustomize`` written by the test) turns that flag off, so the sender takes its plain
-``kv_to_page_indices`` path. Without the Mooncake wheel the server test is skipped, saying so.
+the decode server answers 500, "Lost connection with prefill instance"). The patch turns
+that flag off, so the sender takes its plain ``kv_to_page_indices`` path. scripts/setup_sglang.sh
+installs the wheel and scripts/setup.sh the library; without them the server test is skipped,
+saying so.
 
 Servers: two (one prefill, one decode, up together); the session's SGLang server is stopped first.
 """
@@ -57,21 +58,6 @@ PROMPT = ids(30, 600)  # 37 full pages of 16 and an 8-token tail
 
 MOONCAKE_WHEEL = "mooncake-transfer-engine-non-cuda"
 
-# A sitecustomize ahead of the shims' own: it installs their hook, and adds the P/D patch.
-PD_SITECUSTOMIZE = '''
-import os
-if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-    import sglang_cpu_hook
-
-    sglang_cpu_hook.install()
-
-    def _plain_page_indices(module):
-        # Pinned staging of page indices behind a CUDA event: no such thing on CPU.
-        module.MooncakeKVSender.supports_host_tensor_indices = False
-
-    sglang_cpu_hook._AFTER["sglang.srt.disaggregation.mooncake.conn"] = _plain_page_indices
-'''
-
 # In the SGLang environment (no server): SGLang's own argument resolution of the test server's
 # flags in each P/D mode, and what stands between its Mooncake path and a CPU.
 IN_PROCESS = """
@@ -95,8 +81,10 @@ def engine():
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import MooncakeTransferEngine
     MooncakeTransferEngine("127.0.0.1")
 def sender_flag():
+    import inspect
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
-    assert MooncakeKVSender.supports_host_tensor_indices is True, "changed"
+    assert "supports_host_tensor_indices = True" in inspect.getsource(MooncakeKVSender), "upstream changed"
+    assert MooncakeKVSender.supports_host_tensor_indices is False, "the shims' patch_mooncake_sender did not apply"
 print("RESULT " + json.dumps({
     "prefill_fake": outcome(resolve("--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "fake")),
     "decode_fake": outcome(resolve("--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake")),
@@ -151,7 +139,7 @@ def test_sglang_pd_modes_need_a_real_transfer_engine_and_its_fake_one_is_refused
     assert checks["prefill_mooncake_tcp"] == "ok" and checks["decode_mooncake_tcp_radix"] == "ok", checks
     assert checks["pinned_cpu"].startswith(
         "RuntimeError: pin_memory=True requires a CUDA or other accelerator backend"), checks["pinned_cpu"]
-    assert checks["sender_flag"] == "ok"  # what PD_SITECUSTOMIZE turns off
+    assert checks["sender_flag"] == "ok", checks["sender_flag"]  # True upstream, turned off by the shims
     assert checks["engine"] == "ok" or checks["engine"].startswith(
         "ImportError: Please install mooncake by following the instructions"), checks["engine"]
 
@@ -198,13 +186,12 @@ def wait_metric(server: SGLangServer, name: str, at_least: float, timeout: float
     return value
 
 
-def pd_server(config: Path, log: Path, shim: Path, mode: str, bootstrap_port: int,
+def pd_server(config: Path, log: Path, mode: str, bootstrap_port: int,
               extra: list[str], metrics: bool = False) -> SGLangServer:
     server = new_sglang_server(tiny_model(), config, log, metrics=metrics)
     server.cmd += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", "mooncake_tcp",
                    "--disaggregation-bootstrap-port", str(bootstrap_port), *extra]
-    server.env.update({"SGLANG_HOST_IP": "127.0.0.1",  # Mooncake's TCP transport and bootstrap: loopback only
-                       "PYTHONPATH": os.pathsep.join([str(shim), server.env["PYTHONPATH"]])})
+    server.env["SGLANG_HOST_IP"] = "127.0.0.1"  # Mooncake's TCP transport and bootstrap: loopback only
     return server
 
 
@@ -225,14 +212,11 @@ def test_sglang_decode_server_loads_from_strata_storage_the_prefix_the_prefill_s
         pytest.skip(f"no Mooncake transfer engine in SGLang's environment ({missing}): "
                     f"pip install {MOONCAKE_WHEEL} there, and apt-get install libibverbs1")
     sglang_servers.stop()  # two servers of this test's on 2 cores
-    shim = tmp_path / "pd_shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(PD_SITECUSTOMIZE)
     l2 = tmp_path / "l2"
     config = sglang_config(tmp_path / "sglang.json", l2)
     port = free_port()
-    prefill = pd_server(config, tmp_path / "prefill.log", shim, "prefill", port, [])
-    decode = pd_server(config, tmp_path / "decode.log", shim, "decode", free_port(),
+    prefill = pd_server(config, tmp_path / "prefill.log", "prefill", port, [])
+    decode = pd_server(config, tmp_path / "decode.log", "decode", free_port(),
                        ["--disaggregation-decode-enable-radix-cache", "--hicache-write-policy", "write_back"],
                        metrics=True)
     pages = len(PROMPT) // PAGE

@@ -87,4 +87,5 @@ def install() -> None:
     _AFTER["sglang.srt.mem_cache.pool_host.mha"] = _patch("patch_mha")
     _AFTER["sglang.srt.mem_cache.pool_host.mla"] = _patch("patch_mla")
     _AFTER["sglang.srt.layers.attention.torch_native_backend"] = _patch("patch_torch_native")
+    _AFTER["sglang.srt.disaggregation.mooncake.conn"] = _patch("patch_mooncake_sender")
     sys.meta_path.insert(0, _Hook())

@@ -7,7 +7,9 @@ pool is itself CPU memory, so plain memory and plain torch indexing are enough:
 - ``patch_common``: host registration becomes a no-op;
 - ``patch_mha`` / ``patch_mla``: host pools are built with ``pin_memory=False``, and the module
   gets torch-indexing copy functions for the layouts the tests use (``layer_first`` with
-  ``--hicache-io-backend direct``; ``page_first`` with ``--hicache-io-backend kernel``).
+  ``--hicache-io-backend direct``; ``page_first`` with ``--hicache-io-backend kernel``);
+- ``patch_mooncake_sender``: the prefill/decode split's Mooncake sender hands page indices over
+  as a pinned host tensor behind a CUDA event; on CPU it takes its plain path instead.
 """
 
 from __future__ import annotations
@@ -145,3 +147,10 @@ def patch_torch_native(module: ModuleType) -> None:
         return output
 
     cls._run_sdpa_forward_extend = _run_sdpa_forward_extend
+
+
+def patch_mooncake_sender(module: ModuleType) -> None:
+    """``MooncakeKVSender.supports_host_tensor_indices`` (True upstream) makes the prefill server
+    stage page indices in pinned memory (``prefill.py``), which CPU torch cannot allocate: "pin_memory=True
+    requires a CUDA or other accelerator backend". False: ``kv_to_page_indices`` on plain tensors."""
+    module.MooncakeKVSender.supports_host_tensor_indices = False
