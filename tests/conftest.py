@@ -131,15 +131,18 @@ def store_factory(tmp_path: Path):
 # ``make test`` runs two pytest-xdist workers; a group of tests runs whole on one worker, and the
 # groups go out in collection order: the long engine groups first, the unit test files after them
 # as fillers. Each test file is a group (its module fixtures start once); the vLLM benchmarks are
-# one (one at a time); every SGLang test is in one (one SGLang server at a time). (xdist's own ``--dist loadgroup`` does not
-# group under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reports.)
-SHARED_GROUPS = {"engines/test_bench_serve": "vllm-bench", "engines/test_bench_ttft": "vllm-bench"}
+# one (one at a time); test_sglang.py and test_sglang_observability.py are one (the last server of
+# the first goes on to the second). The other SGLang files start servers of their own and are
+# groups of their own: with every SGLang test in one group (11 of the 20 slowest tests, 17 server
+# starts), that one worker's share was the suite's long pole. (xdist's own
+# ``--dist loadgroup`` does not group under pytest 9: it renames ``item._nodeid``, which pytest 9
+# no longer reports.)
+SHARED_GROUPS = {"engines/test_bench_serve": "vllm-bench", "engines/test_bench_ttft": "vllm-bench",
+                 "engines/test_sglang": "sglang", "engines/test_sglang_observability": "sglang"}
 
 
 def work_group(nodeid: str) -> str:
     module = nodeid.split("::", 1)[0].removeprefix("tests/").removesuffix(".py")
-    if module.startswith("engines/") and "sglang" in nodeid.rsplit("/", 1)[-1]:
-        return "sglang"
     return SHARED_GROUPS.get(module, module)
 
 
