@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import shutil
 import subprocess
 import time
@@ -39,7 +40,8 @@ USER, PASSWORD = "kvstrata", "s3cret-for-tests"
 # The README's ACL line, tested here: only kvstrata's keys and channel, only the commands it sends
 # (MGET/SET/SADD/SRANDMEMBER/DEL/TYPE for blocks; GETRANGE/SET/EVAL/SCAN/PUBLISH/SUBSCRIBE for
 # epochs and descriptors; the scripts' GETRANGE/SET/TYPE run under the same rules).
-ACL_RULES = (f"on >{PASSWORD} resetkeys ~{PREFIX}:* resetchannels &{PREFIX}:epochs -@all "
+# With a secret (remote.auth_key_file) keys and channel move under P:<key id>:, still in ~P:*.
+ACL_RULES = (f"on >{PASSWORD} resetkeys ~{PREFIX}:* resetchannels &{PREFIX}:epochs &{PREFIX}:*:epochs -@all "
              "+mget +set +getrange +sadd +srandmember +del +type +eval +scan +publish +subscribe +ping")
 
 
@@ -199,8 +201,10 @@ def prompt(seed: int, n: int = 8 * 16 + 5) -> np.ndarray:
 
 
 def subscribers(server: redis.Redis) -> int:
-    """Epoch subscribers connected to ``server`` (each store holds one, on its own connection)."""
-    return dict(server.pubsub_numsub(f"{PREFIX}:epochs")).get(f"{PREFIX}:epochs".encode(), 0)
+    """Epoch subscribers connected to ``server`` (each store holds one, on its own connection), on
+    ``P:epochs`` or, with a secret, ``P:<key id>:epochs``."""
+    channels = [c for c in server.pubsub_channels(f"{PREFIX}:*epochs") if c.endswith(b":epochs")]
+    return sum(n for _, n in server.pubsub_numsub(*channels)) if channels else 0
 
 
 def shares_blocks_and_epochs(tmp: Path, remote: dict, server: redis.Redis) -> None:
@@ -217,7 +221,7 @@ def shares_blocks_and_epochs(tmp: Path, remote: dict, server: redis.Redis) -> No
         assert b.load_into(hit, out) == len(chain.keys)
         assert torch.equal(out, expected)
         assert b.counters.get("hit_blocks_remote") == len(chain.keys)
-        assert server.exists(f"{PREFIX}:epoch:{NS.seed.hex()}")
+        assert server.keys(f"{PREFIX}:*epoch:{NS.seed.hex()}")  # P:epoch:<ns>, or P:<key id>:epoch:<ns>
         deadline = time.monotonic() + 5
         while subscribers(server) < 2:  # both epoch subscribers are in, over the same transport
             assert time.monotonic() < deadline, "the epoch subscribers did not connect"
@@ -331,9 +335,15 @@ def denied(admin: redis.Redis) -> list[str]:
     return out
 
 
-def test_acl_user_limited_to_the_prefix_runs_kvstrata(tmp_path, acl_redis):
+@pytest.mark.parametrize("secret", [False, True], ids=["unauthenticated", "with-a-secret"])
+def test_acl_user_limited_to_the_prefix_runs_kvstrata(tmp_path, acl_redis, secret):
     port, admin = acl_redis
     remote = {"url": f"redis://{USER}:{PASSWORD}@127.0.0.1:{port}/0"}
+    if secret:  # MACs on every value, in the secret's own key space and channel (P:<key id>:...)
+        key = tmp_path / "auth.key"
+        key.write_text(os.urandom(32).hex())
+        key.chmod(0o600)
+        remote["auth_key_file"] = str(key)
     shares_blocks_and_epochs(tmp_path, remote, admin)
     assert denied(admin) == []
     names = admin.keys("*")

@@ -11,7 +11,6 @@ seen by all of them.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
 from ..auth import ENV as AUTH_ENV, SecretError, open_auth
@@ -20,6 +19,7 @@ from ..epochs import EpochStore, MemoryEpochs
 from ..index import BlockIndex
 from ..metrics import Counters
 from ..tiers import REMOTE_BACKENDS, BlockTier, DiskTier, FileEpochs, MemoryTier
+from ..tiers.redis_client import redact_url
 from .recovery import Recovery
 from .saver import Saver
 
@@ -79,7 +79,7 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
         floor = config.l2.path / "epochs" if config.l2.enabled else None  # the disk remembers
         remote, epochs = REMOTE_BACKENDS[config.remote.backend](counters, config.remote, floor, auth)
         backing.append(remote)
-        where = re.sub(r"//[^@/]*@", "//", config.remote.url) if config.remote.backend == "redis" else str(
+        where = redact_url(config.remote.url) if config.remote.backend == "redis" else str(
             config.remote.path)  # never a password in the log
         if where not in _said and auth is None:
             _said.add(where)
