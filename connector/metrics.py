@@ -33,17 +33,30 @@ class MetricDef(NamedTuple):
     """One exported series: ``kvstrata_<name>`` (``_total`` added to counters by the client).
 
     ``source`` names the counter (or sample series) it is fed from; ``{tier}`` in it makes the
-    series carry a ``tier`` label, one child per tier in ``TIERS``."""
+    series carry a ``tier`` label, one child per tier in ``TIERS``, and ``{kind}`` a ``kind``
+    label, one child per name in ``kinds``."""
 
     name: str
     kind: Literal["counter", "gauge", "histogram"]
     doc: str
     source: str
     buckets: tuple[float, ...] = ()
+    kinds: tuple[str, ...] = ()
 
     @property
     def per_tier(self) -> bool:
         return "{tier}" in self.source
+
+    @property
+    def labels(self) -> list[str]:
+        """The labels this series adds to the engine's own."""
+        return [label for label in ("tier", "kind") if "{" + label + "}" in self.source]
+
+    def children(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(source name, label values) of each child."""
+        tiers = TIERS if self.per_tier else ("",)
+        kinds = self.kinds if "{kind}" in self.source else ("",)
+        return [(self.source.format(tier=t, kind=k), tuple(v for v in (t, k) if v)) for t in tiers for k in kinds]
 
 
 _LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -61,7 +74,8 @@ METRICS: tuple[MetricDef, ...] = (
               "checksum_failures"),
     MetricDef("auth_failures", "counter", "Values read back from a tier that failed their MAC (forged, or written "
               "under another secret, key, namespace or epoch): blocks, index entries, epochs, descriptors and "
-              "announcements. Each is a miss.", "{tier}_auth_failures"),
+              "announcements (the kind label). Each is a miss.", "{tier}_auth_{kind}",
+              kinds=("blocks", "entries", "epochs", "descriptors", "messages")),
     MetricDef("saves_dropped", "counter", "Blocks not saved because the save queue was full.", "saves_dropped"),
     MetricDef("evictions", "counter", "Blocks evicted from a tier for capacity.", "{tier}_evicted"),
     MetricDef("invalidations", "counter", "Namespace invalidations (epoch bumps).", "invalidations"),
@@ -83,15 +97,8 @@ METRICS: tuple[MetricDef, ...] = (
 )
 
 
-def _sources() -> dict[str, tuple[MetricDef, str]]:
-    out: dict[str, tuple[MetricDef, str]] = {}
-    for m in METRICS:
-        for tier in TIERS if m.per_tier else ("",):
-            out[m.source.format(tier=tier)] = (m, tier)
-    return out
-
-
-SOURCES = _sources()  # counter / sample name -> (the series it feeds, its tier label or "")
+SOURCES = {source: (m, values) for m in METRICS for source, values in m.children()}
+# counter / sample name -> (the series it feeds, its label values: tier, kind, or none)
 
 
 # ------------------------------------------------------------ engine-neutral export helpers
@@ -132,7 +139,7 @@ def make_series(make: Mapping[str, Callable[..., Any]], labelnames: Sequence[str
     out: dict[str, Any] = {}
     for m in METRICS:
         kwargs: dict[str, Any] = {"name": f"kvstrata_{m.name}", "documentation": m.doc,
-                                  "labelnames": [*labelnames, *(["tier"] if m.per_tier else [])]}
+                                  "labelnames": [*labelnames, *m.labels]}
         if m.kind == "histogram":
             kwargs["buckets"] = m.buckets
         if m.kind == "gauge":
@@ -144,8 +151,7 @@ def make_series(make: Mapping[str, Callable[..., Any]], labelnames: Sequence[str
 def bind_series(series: Mapping[str, Any], labelvalues: Sequence[object]) -> dict[str, Any]:
     """Source name (``SOURCES``) -> the child of ``series`` it feeds, for one set of label values.
     Children are made up front, so every series shows in a scrape (at 0) before its first event."""
-    return {source: series[m.name].labels(*labelvalues, *([tier] if tier else []))
-            for source, (m, tier) in SOURCES.items()}
+    return {source: series[m.name].labels(*labelvalues, *values) for source, (m, values) in SOURCES.items()}
 
 
 def feed_series(children: Mapping[str, Any], figures: Figures) -> None:

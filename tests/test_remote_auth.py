@@ -472,3 +472,38 @@ def test_l2_authenticate_macs_disk_blocks_and_epochs(tmp_path, monkeypatch):
     with l2_store() as s:
         assert s.lookup(NS, prompt(8)).num_blocks == 0
         assert s.counters.get("l2_auth_epochs") == 1
+
+
+def test_rejections_are_exported_by_kind_as_the_engines_metrics_show_them(shared):
+    """The series both adapters export (``make_series``/``bind_series``/``feed_series`` on
+    prometheus-client's classes, as vLLM's and SGLang's /metrics do): one child per tier and kind."""
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from kvstrata.metrics import FigureCollector, bind_series, feed_series, make_series
+
+    key = shared.chain.keys[5]
+    value = shared.client.get(name(KID_A, key, "p"))
+    payload = bytes(reversed(value[HEADER_SIZE:]))
+    shared.client.set(name(KID_A, key, "p"), rewritten(value[:HEADER_SIZE], payload) + payload)
+    shared.client.publish(f"kvstrata:{KID_A}:epochs", NS.seed.hex())  # unsealed
+    b = shared.reader()
+    registry = CollectorRegistry()
+    make = {kind: partial(cls, registry=registry) for kind, cls in
+            (("counter", Counter), ("gauge", Gauge), ("histogram", Histogram))}
+    children = bind_series(make_series(make, ["engine"]), ["0"])
+    collector = FigureCollector(b)
+    assert load(b, shared.tokens)[:2] == (8, 5)
+    deadline = time.monotonic() + 20
+    while b.counters.get("remote_auth_messages") < 1 and time.monotonic() < deadline:
+        shared.client.publish(f"kvstrata:{KID_A}:epochs", NS.seed.hex())
+        time.sleep(0.05)
+    feed_series(children, collector.collect())
+    text = generate_latest(registry).decode()
+    series = 'kvstrata_auth_failures_total{engine="0",kind="%s",tier="%s"} %s'
+    assert series % ("blocks", "remote", "1.0") in text, text
+    assert series % ("messages", "remote", f"{float(b.counters.get('remote_auth_messages'))}") in text
+    for kind in ("entries", "epochs", "descriptors"):
+        assert series % (kind, "remote", "0.0") in text
+    assert series % ("blocks", "l2", "0.0") in text
