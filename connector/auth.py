@@ -39,7 +39,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .blockfmt import HEADER_SIZE, TAG_AT, TAG_SIZE, FormatError, Mismatch, pack_header, unpack_header
+from .blockfmt import HEADER_SIZE, TAG_AT, TAG_SIZE, Mismatch, pack_header, stored_header
 from .index import EntryMeta
 
 ENV = "KVSTRATA_AUTH_KEY"
@@ -128,17 +128,8 @@ class Auth:
         if not hmac.compare_digest(tag, bytes(header[TAG_AT : TAG_AT + TAG_SIZE])):
             return Mismatch("auth", "it fails its MAC (forged, or written for another key, namespace, epoch or "
                                     "secret)")
-        try:
-            stored = unpack_header(header, where)
-        except FormatError as e:
-            return Mismatch("bad_header", str(e), e.corrupt)
-        if (stored.key, stored.parent, stored.ns_seed, stored.epoch, stored.fp, stored.ntok, stored.tail) != (
-                meta.key, meta.parent, meta.ns_seed, meta.epoch, meta.fp, meta.ntok, meta.tail):
-            return Mismatch("wrong_key", f"it holds another block or epoch: block {stored.key.hex()}, "
-                                         f"epoch {stored.epoch}")
-        if stored.size != meta.size:
-            return Mismatch("wrong_size", f"its header says {stored.size} bytes, the index entry {meta.size}")
-        return None
+        stored = stored_header(header, meta, where)
+        return stored if isinstance(stored, Mismatch) else None
 
     # ------------------------------------------------------------ index entries and control values
     def tag(self, kind: bytes, name: str | bytes, value: bytes | bytearray | memoryview) -> bytes:

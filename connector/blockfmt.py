@@ -103,6 +103,22 @@ class Mismatch(NamedTuple):
     corrupt: bool = True
 
 
+def stored_header(header: bytes | bytearray, meta: EntryMeta, where: str) -> Mismatch | EntryMeta:
+    """The block ``header`` describes, or why it is not the block ``meta`` names (another format,
+    another block or epoch, another size)."""
+    try:
+        stored = unpack_header(header, where)
+    except FormatError as e:
+        return Mismatch("bad_header", str(e), e.corrupt)
+    if (stored.key, stored.parent, stored.ns_seed, stored.epoch, stored.fp, stored.ntok, stored.tail) != (
+            meta.key, meta.parent, meta.ns_seed, meta.epoch, meta.fp, meta.ntok, meta.tail):
+        return Mismatch("wrong_key", f"it holds another block or epoch: block {stored.key.hex()}, "
+                                     f"parent {stored.parent.hex()}, epoch {stored.epoch}")
+    if stored.size != meta.size:
+        return Mismatch("wrong_size", f"its header says {stored.size} bytes, the index entry {meta.size}")
+    return stored
+
+
 def verify_block(meta: EntryMeta, header: bytes | bytearray, payload_size: int,
                  payload: Sequence[memoryview], where: str) -> Mismatch | None:
     """Check a block read back from a tier against ``meta``, the entry it was read for: its
@@ -113,16 +129,9 @@ def verify_block(meta: EntryMeta, header: bytes | bytearray, payload_size: int,
     parsed, only to say what is wrong, to learn a checksum ``meta`` lacks, or to accept the same
     block written again by another writer, with its own checksum."""
     if not meta.checksum or header != pack_header(meta):
-        try:
-            stored = unpack_header(header, where)
-        except FormatError as e:
-            return Mismatch("bad_header", str(e), e.corrupt)
-        if (stored.key, stored.parent, stored.ns_seed, stored.epoch, stored.fp, stored.ntok, stored.tail) != (
-                meta.key, meta.parent, meta.ns_seed, meta.epoch, meta.fp, meta.ntok, meta.tail):
-            return Mismatch("wrong_key", f"it holds another block or epoch: block {stored.key.hex()}, "
-                                         f"parent {stored.parent.hex()}, epoch {stored.epoch}")
-        if stored.size != meta.size:
-            return Mismatch("wrong_size", f"its header says {stored.size} bytes, the index entry {meta.size}")
+        stored = stored_header(header, meta, where)
+        if isinstance(stored, Mismatch):
+            return stored
         meta = stored
     if payload_size != meta.size:
         return Mismatch("wrong_size", f"it holds {payload_size} payload bytes, its header says {meta.size}")
