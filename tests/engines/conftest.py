@@ -578,6 +578,37 @@ def sglang_direct_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return sglang_config(tmp / "direct.json", tmp / "l2", l1={"size": "4MiB"})
 
 
+# Run in SGLang's environment by ``sglang_probe``, before the probe's own lines: the shims' import
+# hook, and ``outcome`` (a call's "ok" or its exception as "Type: message") and ``argv`` for them.
+SGLANG_PROBE = """
+import json, sys
+import sglang_cpu_hook
+sglang_cpu_hook.install()
+import torch
+from sglang.srt.server_args import prepare_server_args
+
+def outcome(call):
+    try:
+        call()
+        return "ok"
+    except BaseException as e:
+        return f"{type(e).__name__}: {e}"
+
+argv = json.loads(sys.argv[1])
+"""
+
+
+def sglang_probe(code: str, argv: list[str], **env: str) -> dict[str, str]:
+    """``code`` (after ``SGLANG_PROBE``) in SGLang's environment with the CPU shims, no server:
+    what it prints as ``RESULT <json>``."""
+    out = subprocess.run([sglang_python(), "-c", SGLANG_PROBE + code, json.dumps(argv)], capture_output=True,
+                         text=True, env={**os.environ, **cpu_env(ROOT / ".cache" / "sglang"), **env}, cwd=ROOT,
+                         timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"exit {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def sglang_generate(server: SGLangServer, prompt: list[int], **extra: Any) -> dict:
     """Greedy 8 tokens; the prompt tokens served from storage, device and host."""
     out = server.generate(prompt, 8, **extra)
@@ -590,5 +621,5 @@ def sglang_log(server: SGLangServer) -> str:
 
 
 __all__ = ["BS", "FORK_A", "FORK_B", "LONG", "PAGE", "SHARED", "Baselines", "EngineFailed", "StepEngine",
-           "SGLangServers", "VllmServer", "delta", "disk_config", "gen", "ids", "needs_sglang", "new_sglang_server", "run_command", "run_once",
-           "salt", "sglang_config", "sglang_generate", "sglang_log", "start_vllm_server", "tiny_model"]
+           "SGLangServers", "SGLANG_PROBE", "VllmServer", "delta", "disk_config", "gen", "ids", "needs_sglang", "new_sglang_server", "run_command", "run_once",
+           "salt", "sglang_config", "sglang_generate", "sglang_log", "sglang_probe", "start_vllm_server", "tiny_model"]

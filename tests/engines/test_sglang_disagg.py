@@ -34,7 +34,6 @@ Servers: two (one prefill, one decode, up together); the session's SGLang server
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -47,10 +46,10 @@ from typing import Any
 
 import pytest
 
-from engines.conftest import (PAGE, ROOT, SGLangServers, ids, needs_sglang, new_sglang_server, sglang_args,
+from engines.conftest import (PAGE, SGLangServers, sglang_probe, ids, needs_sglang, new_sglang_server, sglang_args,
                               sglang_config, sglang_log, sglang_python, tiny_model)
 from kvstrata.tools.serving import free_port
-from kvstrata.tools.sglang_server import SGLangServer, cpu_env
+from kvstrata.tools.sglang_server import SGLangServer
 
 pytestmark = [needs_sglang, pytest.mark.timeout(900)]
 
@@ -60,21 +59,7 @@ MOONCAKE_WHEEL = "mooncake-transfer-engine-non-cuda"
 
 # In the SGLang environment (no server): SGLang's own argument resolution of the test server's
 # flags in each P/D mode, and what stands between its Mooncake path and a CPU.
-IN_PROCESS = """
-import json, sys
-import sglang_cpu_hook
-sglang_cpu_hook.install()
-import torch
-from sglang.srt.server_args import prepare_server_args
-
-def outcome(call):
-    try:
-        call()
-        return "ok"
-    except BaseException as e:
-        return f"{type(e).__name__}: {e}"
-
-argv = json.loads(sys.argv[1])
+IN_PROCESS = """  # after SGLANG_PROBE (tests/engines/conftest.py)
 def resolve(*extra):
     return lambda: prepare_server_args(argv + list(extra)).resolve_once()
 def engine():
@@ -104,12 +89,7 @@ print("RESULT " + json.dumps({
 
 def in_process_checks(config: Path) -> dict[str, str]:
     argv = sglang_args(tiny_model(), config)
-    out = subprocess.run([sglang_python(), "-c", IN_PROCESS, json.dumps(argv)], capture_output=True, text=True,
-                         env={**os.environ, **cpu_env(ROOT / ".cache" / "sglang"), "MC_FORCE_TCP": "1"},
-                         cwd=ROOT, timeout=300)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"exit {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return sglang_probe(IN_PROCESS, argv, MC_FORCE_TCP="1")
 
 
 def mooncake_missing() -> str | None:

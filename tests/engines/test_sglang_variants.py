@@ -35,19 +35,17 @@ is stopped first (2 cores).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from engines.conftest import (PAGE, ROOT, SGLangServers, ids, needs_sglang, new_sglang_server, sglang_args,
-                              sglang_config, sglang_generate, sglang_log, sglang_python, tiny_model)
+from engines.conftest import (PAGE, SGLangServers, sglang_probe, ids, needs_sglang, new_sglang_server, sglang_args,
+                              sglang_config, sglang_generate, sglang_log, tiny_model)
 from kvstrata.blockfmt import HEADER_SIZE, unpack_header
-from kvstrata.tools.sglang_server import SGLangServer, SGLangUnavailable, cpu_env
+from kvstrata.tools.sglang_server import SGLangServer, SGLangUnavailable
 
 pytestmark = [needs_sglang, pytest.mark.timeout(900)]
 
@@ -110,21 +108,7 @@ def eagle_head(target: str, out: Path) -> str:
 # In the SGLang environment, with the shims' import hook: SGLang's own argument resolution of the
 # test server's flags plus NGRAM, the import its scheduler does for an NGRAM worker, and the CPU
 # rotary embedding DeepSeek's attention asks for with the mla preset's default RoPE.
-IN_PROCESS = """
-import json, sys
-import sglang_cpu_hook
-sglang_cpu_hook.install()
-import torch
-from sglang.srt.server_args import prepare_server_args
-
-def outcome(call):
-    try:
-        call()
-        return "ok"
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-
-argv = json.loads(sys.argv[1])
+IN_PROCESS = """  # after SGLANG_PROBE (tests/engines/conftest.py)
 def ngram_worker():
     import sglang.srt.speculative.ngram_worker
 def default_rope():
@@ -142,11 +126,7 @@ print("RESULT " + json.dumps({
 
 def in_process_checks(config: Path) -> dict[str, str]:
     argv = sglang_args(tiny_model(), config) + ["--speculative-algorithm", "NGRAM"]
-    out = subprocess.run([sglang_python(), "-c", IN_PROCESS, json.dumps(argv)], capture_output=True, text=True,
-                         env={**os.environ, **cpu_env(ROOT / ".cache" / "sglang")}, cwd=ROOT, timeout=300)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"exit {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return sglang_probe(IN_PROCESS, argv)
 
 
 @pytest.fixture(scope="module")
