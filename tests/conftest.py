@@ -100,6 +100,15 @@ def assert_payloads_match(keys: Iterable[bytes], out: torch.Tensor, n: int,
 
 
 @pytest.fixture
+def redis_url(tmp_path: Path):
+    """A redis-server of this test's own on loopback (``redisutil.standalone``): its URL."""
+    import redisutil
+
+    with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
+        yield url
+
+
+@pytest.fixture
 def ns() -> Namespace:
     return make_namespace()
 

@@ -41,10 +41,10 @@ def key_file(tmp: Path, secret: bytes, name: str = "key") -> Path:
     return path
 
 
-def open_store(tmp: Path, name: str, url: str, secret: bytes | None = SECRET_A, **extra: object) -> BlockStore:
+def open_store(tmp: Path, name: str, redis_url: str, secret: bytes | None = SECRET_A, **extra: object) -> BlockStore:
     overrides: dict[str, object] = {
         "l1.size": "4MiB", "l1.pin_memory": False, "l2.enabled": False, "remote.enabled": True,
-        "remote.url": url, "remote.invalidation_ms": 1, **extra}
+        "remote.url": redis_url, "remote.invalidation_ms": 1, **extra}
     if secret is not None:
         overrides["remote.auth_key_file"] = str(key_file(tmp, secret, f"{name}.key"))
     return BlockStore(load_config(None, overrides))
@@ -86,28 +86,22 @@ def rewritten(header: bytes, payload: bytes | None = None, **changes) -> bytes:
 
 
 @pytest.fixture
-def url(tmp_path):
-    with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
-        yield url
-
-
-@pytest.fixture
-def shared(tmp_path, url):
+def shared(tmp_path, redis_url):
     """A writer holding secret A stored an 8-block prompt; ``reader()`` opens a fresh instance
     (secret A unless told), so its lookups and loads read what Redis holds."""
 
     class Shared:
-        client = redis.Redis.from_url(url)
+        client = redis.Redis.from_url(redis_url)
         tokens = prompt(1)
         opened: list[BlockStore] = []
 
         def reader(self, name: str = "reader", secret: bytes | None = SECRET_A) -> BlockStore:
-            store = open_store(tmp_path, name, url, secret)
+            store = open_store(tmp_path, name, redis_url, secret)
             self.opened.append(store)
             return store
 
     s = Shared()
-    with open_store(tmp_path, "writer", url) as writer:
+    with open_store(tmp_path, "writer", redis_url) as writer:
         epoch, s.chain = writer.chain(NS, s.tokens)
         s.epoch = epoch
         s.expected = payloads(s.chain)
@@ -214,8 +208,8 @@ def test_rewritten_epoch_value_is_an_auth_failure_and_a_fresh_epoch(shared):
         assert repaired not in (forged, sealed) and b":" in repaired
 
 
-def test_epoch_value_copied_from_another_namespace_is_an_auth_failure(tmp_path, url, shared):
-    with open_store(tmp_path, "other", url) as other:
+def test_epoch_value_copied_from_another_namespace_is_an_auth_failure(tmp_path, redis_url, shared):
+    with open_store(tmp_path, "other", redis_url) as other:
         other.current_epoch(OTHER_NS)
     other_value = shared.client.get(f"kvstrata:{KID_A}:epoch:{OTHER_NS.seed.hex()}")
     assert other_value is not None
@@ -225,8 +219,8 @@ def test_epoch_value_copied_from_another_namespace_is_an_auth_failure(tmp_path, 
     assert b.counters.get("remote_auth_epochs") == 1
 
 
-def test_swapped_descriptor_is_an_auth_failure(tmp_path, url, shared):
-    with open_store(tmp_path, "desc", url) as s:
+def test_swapped_descriptor_is_an_auth_failure(tmp_path, redis_url, shared):
+    with open_store(tmp_path, "desc", redis_url) as s:
         s.describe(NS)
         s.describe(OTHER_NS)
     a, o = (f"kvstrata:{KID_A}:ns:{ns.seed.hex()}" for ns in (NS, OTHER_NS))
@@ -261,7 +255,7 @@ def test_forged_announcements_are_counted_and_ignored(shared):
 
 
 # ------------------------------------------------------------------------ tenants: secrets apart
-def test_two_secrets_on_one_redis_never_hit_each_other(tmp_path, url, shared):
+def test_two_secrets_on_one_redis_never_hit_each_other(tmp_path, redis_url, shared):
     """Tenant B (another secret) runs the same prompt, namespace and salt: it finds nothing of A's,
     stores its own, and each then hits its own blocks only. Values copied from A's key space into
     B's fail B's MAC, and B's planted into A's fail A's."""
@@ -291,12 +285,12 @@ def test_two_secrets_on_one_redis_never_hit_each_other(tmp_path, url, shared):
     assert a3.counters.get("remote_auth_entries") >= 1
 
 
-def test_blocks_planted_with_another_secret_at_the_right_names_are_auth_misses(tmp_path, url, shared):
+def test_blocks_planted_with_another_secret_at_the_right_names_are_auth_misses(tmp_path, redis_url, shared):
     """Tenant B knows A's prompt, namespace and epoch (Redis is readable) and writes A's blocks,
     with its own KV, under A's names: valid MACs, but under B's secret."""
     with BlockStore(load_config(None, {
             "l1.size": "4MiB", "l1.pin_memory": False, "l2.enabled": False, "remote.enabled": True,
-            "remote.url": url, "remote.key_prefix": f"kvstrata:{KID_A}",
+            "remote.url": redis_url, "remote.key_prefix": f"kvstrata:{KID_A}",
             "remote.auth_key_file": str(key_file(tmp_path, SECRET_B, "b.key"))})) as planter:
         stored = planter.save_now(NS, shared.epoch, shared.chain, shared.expected.flip(1))
         planter.flush()
@@ -312,34 +306,34 @@ def test_blocks_planted_with_another_secret_at_the_right_names_are_auth_misses(t
 
 
 # ------------------------------------------------------------------------ no secret: as before
-def test_without_a_secret_nothing_changes_and_the_start_says_unauthenticated(tmp_path, url, caplog, monkeypatch):
+def test_without_a_secret_nothing_changes_and_the_start_says_unauthenticated(tmp_path, redis_url, caplog, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(redis_url)
     with caplog.at_level(logging.WARNING, logger="kvstrata.store.parts"):
-        with open_store(tmp_path, "plain", url, None) as s:
+        with open_store(tmp_path, "plain", redis_url, None) as s:
             epoch, chain = s.chain(NS, prompt(3))
             assert s.save_now(NS, epoch, chain, payloads(chain)) == 8
             s.flush()
     lines = [r.getMessage() for r in caplog.records if "unauthenticated" in r.getMessage()]
-    assert len(lines) == 1 and url in lines[0] and "remote.auth_key_file" in lines[0]
+    assert len(lines) == 1 and redis_url in lines[0] and "remote.auth_key_file" in lines[0]
     entry = client.get(name(None, chain.keys[0], "i"))
     assert len(entry) == HEADER_SIZE and entry[TAG_AT : TAG_AT + TAG_SIZE] == bytes(TAG_SIZE)
     assert client.get(f"kvstrata:epoch:{NS.seed.hex()}") == str(epoch).encode()
-    with open_store(tmp_path, "plain2", url, None) as r:
+    with open_store(tmp_path, "plain2", redis_url, None) as r:
         assert load(r, prompt(3))[:2] == (8, 8)
         # an authenticated instance never reads the unauthenticated space
-    with open_store(tmp_path, "sealed", url) as a:
+    with open_store(tmp_path, "sealed", redis_url) as a:
         assert load(a, prompt(3))[:2] == (0, 0)
 
 
-def test_secret_from_the_environment(tmp_path, url, monkeypatch):
+def test_secret_from_the_environment(tmp_path, redis_url, monkeypatch):
     monkeypatch.setenv(ENV, SECRET_A.decode())
-    with open_store(tmp_path, "env", url, None) as s:
+    with open_store(tmp_path, "env", redis_url, None) as s:
         epoch, chain = s.chain(NS, prompt(4))
         assert s.save_now(NS, epoch, chain, payloads(chain)) == 8
         s.flush()
     monkeypatch.delenv(ENV)
-    with open_store(tmp_path, "file", url) as r:  # the same secret from a file: the same space
+    with open_store(tmp_path, "file", redis_url) as r:  # the same secret from a file: the same space
         assert load(r, prompt(4))[:2] == (8, 8)
 
 
@@ -365,10 +359,10 @@ def test_bad_key_file_is_a_config_error_naming_file_key_and_problem(tmp_path, ca
             "empty": "0 bytes"}[case] in text
 
 
-def test_short_secret_in_the_environment_fails_the_store_open(tmp_path, url, monkeypatch):
+def test_short_secret_in_the_environment_fails_the_store_open(tmp_path, redis_url, monkeypatch):
     monkeypatch.setenv(ENV, "too short")
     with pytest.raises(ConfigError, match=f"\\${ENV}.*9 bytes"):
-        open_store(tmp_path, "env", url, None)
+        open_store(tmp_path, "env", redis_url, None)
 
 
 def test_l2_authenticate_needs_a_secret(tmp_path, monkeypatch):

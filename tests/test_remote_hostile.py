@@ -35,9 +35,9 @@ SIZE = 2048
 EPOCH_KEY = f"kvstrata:epoch:{NS.seed.hex()}"
 
 
-def open_store(tmp: Path, name: str, url: str, **extra: object) -> BlockStore:
+def open_store(tmp: Path, name: str, redis_url: str, **extra: object) -> BlockStore:
     """test_redis_epochs' store, with room for 4 MiB of blocks and a breaker that opens after 2 errors."""
-    return epochs_store(tmp, name, url, **{"l1.size": "4MiB", "remote.breaker.failures": 2, **extra})
+    return epochs_store(tmp, name, redis_url, **{"l1.size": "4MiB", "remote.breaker.failures": 2, **extra})
 
 
 def prompt(seed: int, n: int = 8 * 16) -> np.ndarray:
@@ -62,28 +62,22 @@ def t_name(parent: bytes) -> str:
 
 
 @pytest.fixture
-def url(tmp_path):
-    with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
-        yield url
-
-
-@pytest.fixture
-def shared(tmp_path, url):
+def shared(tmp_path, redis_url):
     """A writer stored an 8-block prompt in Redis; ``reader()`` opens a fresh instance that knows
     nothing of it locally, so its lookups and loads read what Redis holds."""
 
     class Shared:
-        client = redis.Redis.from_url(url)
+        client = redis.Redis.from_url(redis_url)
         tokens = prompt(1)
         opened: list[BlockStore] = []
 
         def reader(self, name: str = "reader") -> BlockStore:
-            store = open_store(tmp_path, name, url)
+            store = open_store(tmp_path, name, redis_url)
             self.opened.append(store)
             return store
 
     s = Shared()
-    with open_store(tmp_path, "writer", url) as writer:
+    with open_store(tmp_path, "writer", redis_url) as writer:
         epoch, s.chain = writer.chain(NS, s.tokens)
         s.expected = payloads(s.chain)
         assert writer.save_now(NS, epoch, s.chain, s.expected) == 8
@@ -157,21 +151,21 @@ def test_parse_epoch_answers_any_text_and_never_raises(text):
     assert parse_epoch(text) == (42 if text == "  42 " else None)
 
 
-def test_tail_set_of_another_type_is_replaced_when_a_tail_is_saved(tmp_path, url):
+def test_tail_set_of_another_type_is_replaced_when_a_tail_is_saved(tmp_path, redis_url):
     """Scenario: the tail set after a parent is a string before the writer saves its partial
     block. The SADD in the writer's pipeline fails with WRONGTYPE; the blocks must still be
     published (all of them, the tail included), the set replaced and the repair counted."""
     tokens = prompt(3, 4 * 16 + 5)
-    with open_store(tmp_path, "writer", url) as writer:
+    with open_store(tmp_path, "writer", redis_url) as writer:
         epoch, chain = writer.chain(NS, tokens)
-        client = redis.Redis.from_url(url)
+        client = redis.Redis.from_url(redis_url)
         client.set(t_name(chain.parents[-1]), b"not a set")
         assert writer.save_now(NS, epoch, chain, payloads(chain)) == 5
         writer.flush()
         assert writer.counters.get("remote_wrong_type") == 1
         assert writer.counters.get("remote_errors") == 0
     assert client.smembers(t_name(chain.parents[-1])) == {b"5"}
-    with open_store(tmp_path, "reader", url) as reader:
+    with open_store(tmp_path, "reader", redis_url) as reader:
         longer = np.concatenate([tokens, prompt(4, 2)])  # its own tail differs: found by length
         assert reader.lookup(NS, longer).num_tokens == len(tokens)
 
@@ -188,17 +182,17 @@ def test_tail_set_of_another_type_is_a_counted_miss_when_read(tmp_path, shared):
     assert not shared.client.exists(t_name(parent))
 
 
-def test_tail_set_members_that_are_not_token_counts_are_skipped_and_counted(tmp_path, url):
+def test_tail_set_members_that_are_not_token_counts_are_skipped_and_counted(tmp_path, redis_url):
     """Scenario: besides a real tail length, the tail set holds junk, a negative number, zero,
     a 5000-digit number (int() raises on it) and a huge one. The real tail is still found."""
     tokens = prompt(6, 4 * 16 + 5)
-    with open_store(tmp_path, "writer", url) as writer:
+    with open_store(tmp_path, "writer", redis_url) as writer:
         epoch, chain = writer.chain(NS, tokens)
         assert writer.save_now(NS, epoch, chain, payloads(chain)) == 5
         writer.flush()
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(redis_url)
     client.sadd(t_name(chain.parents[-1]), "abc", "-1", "0", "1" * 5000, str(1 << 64), "\xff")
-    with open_store(tmp_path, "reader", url) as reader:
+    with open_store(tmp_path, "reader", redis_url) as reader:
         longer = np.concatenate([tokens, prompt(7, 2)])
         assert reader.lookup(NS, longer).num_tokens == len(tokens)
         assert reader.counters.get("remote_bad_tails") == 1
@@ -222,7 +216,7 @@ def test_header_size_is_checked_against_the_destination(shared, factor):
     assert b.counters.get("adopt_wrong_size") >= 1
 
 
-def test_one_block_of_another_size_ends_the_hit_there_when_staged(tmp_path, url, shared):
+def test_one_block_of_another_size_ends_the_hit_there_when_staged(tmp_path, redis_url, shared):
     """Scenario: as in the engines, L1 slots have the block size and hits are staged into L1.
     Block 5 says it is half a block: blocks 0-4 are staged. Before, the lookup adopted block 5
     anyway and the mixed sizes made the store stage none of the 8 (and a whole chain of
@@ -232,7 +226,7 @@ def test_one_block_of_another_size_ends_the_hit_there_when_staged(tmp_path, url,
     shared.client.set(p_name(meta.key), value)
     shared.client.set(i_name(meta.key), entry)
     overrides = {"l1.size": "4MiB", "l1.pin_memory": False, "l2.path": str(tmp_path / "staged" / "l2"),
-                 "remote.enabled": True, "remote.url": url}
+                 "remote.enabled": True, "remote.url": redis_url}
     with BlockStore(load_config(None, overrides), l1_slot_bytes=SIZE) as b:
         hit = b.lookup(NS, shared.tokens, pin=True)
         staged = b.stage(hit)
@@ -241,7 +235,7 @@ def test_one_block_of_another_size_ends_the_hit_there_when_staged(tmp_path, url,
     assert hit.num_blocks == 5 and staged == 5
 
 
-def test_a_whole_chain_of_another_size_is_never_staged(tmp_path, url, shared):
+def test_a_whole_chain_of_another_size_is_never_staged(tmp_path, redis_url, shared):
     """Scenario: every block of the prompt is re-published, well formed and checksummed, as half
     a block (a forger, or an instance with another KV layout under the same namespace). Staged
     into full-size L1 slots it would leave half of each slot stale: it must be a miss."""
@@ -251,7 +245,7 @@ def test_a_whole_chain_of_another_size_is_never_staged(tmp_path, url, shared):
         shared.client.set(p_name(key), value)
         shared.client.set(i_name(key), entry)
     overrides = {"l1.size": "4MiB", "l1.pin_memory": False, "l2.path": str(tmp_path / "half" / "l2"),
-                 "remote.enabled": True, "remote.url": url}
+                 "remote.enabled": True, "remote.url": redis_url}
     with BlockStore(load_config(None, overrides), l1_slot_bytes=SIZE) as b:
         hit = b.lookup(NS, shared.tokens, pin=True)
         b.complete_load(hit)
@@ -434,9 +428,9 @@ def test_failed_save_job_calls_its_failure_callback_and_the_saver_goes_on():
 def test_subscriber_errors_are_logged_once_at_warning_per_outage(tmp_path, caplog):
     """Scenario: Redis dies while an instance is subscribed to the epoch channel. The loss is
     one warning (not one per reconnect attempt); the reconnection after the restart is another."""
-    with redisutil.standalone(tmp_path / "redis") as (url, port, procs):
+    with redisutil.standalone(tmp_path / "redis") as (redis_url, port, procs):
         with caplog.at_level(logging.DEBUG, logger="kvstrata"):
-            store = open_store(tmp_path, "a", url, **{"remote.breaker.reset_ms": 100,
+            store = open_store(tmp_path, "a", redis_url, **{"remote.breaker.reset_ms": 100,
                                                       "remote.timeout_ms": 100})
             try:
                 time.sleep(0.3)
