@@ -93,14 +93,13 @@ class RedisTier(BlockTier):
         self._cfg = cfg
         self.auth = auth
         self.prefix = cfg.key_prefix if auth is None else f"{cfg.key_prefix}:{auth.key_id}"
-        self._p = self.prefix
         self.client = client if client is not None else connect(cfg)
         self.breaker = Breaker(cfg.breaker, self.name, counters, service_errors())
         self.reject = Rejections(counters)
         self._local = threading.local()
 
     def _k(self, key: bytes, kind: str) -> str:
-        return f"{self._p}:{{{key.hex()}}}:{kind}"
+        return f"{self.prefix}:{{{key.hex()}}}:{kind}"
 
     def _mget(self, names: list[str]) -> list[object]:
         values = self.client.mget_nonatomic(names) if self._cfg.cluster else self.client.mget(names)
@@ -198,9 +197,8 @@ class RedisTier(BlockTier):
             problem = checked[i] if checked is not None else self._check(meta, value, out)
             if problem is not None:
                 counter, why, damaged = problem
-                if counter == "remote_auth_blocks":
-                    self.counters.inc("remote_auth_failures")
-                self.reject(counter, "dropping block %s: %s", meta.key.hex(), why)
+                (self.auth_failed if counter == _COUNTERS["auth"] else self.reject)(
+                    counter, "dropping block %s: %s", meta.key.hex(), why)
                 if damaged:
                     self.delete(meta.key)
                 return i
