@@ -30,7 +30,8 @@ _POLL_S = 0.1  # progress updates while L2 is counted
 JSON_HELP = "print one JSON object instead of tables (for scripts; keys are kept across versions)"
 # Subcommands a tool module implements whole: ``add_arguments(parser)`` and ``run(args) -> exit code``.
 TOOLS = {"bench decode": "kvstrata.tools.bench.decode", "bench serve": "kvstrata.tools.bench.serve",
-         "bench identity": "kvstrata.tools.bench.identity", "estimate": "kvstrata.tools.estimate",
+         "bench identity": "kvstrata.tools.bench.identity", "bench copy": "kvstrata.tools.bench.copy",
+         "estimate": "kvstrata.tools.estimate",
          "torture": "kvstrata.tools.torture"}
 # Subcommands whose flags a tool module declares (``bench ttft``'s handler is ``bench_ttft`` below).
 ARGUMENTS = {**TOOLS, "bench ttft": "kvstrata.tools.bench.ttft"}
@@ -301,7 +302,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                   "with the tier, about 400 bytes per block on the disk tier (the index's ~200, plus the "
                   "scan's; 390 MB measured at 1M blocks). "
                   "`kvstrata check` streams instead, in a memory that does not grow with the tier.")
-    benches = add(sub, "bench", "benchmarks: store, ttft, decode, serve, identity, remote")
+    benches = add(sub, "bench", "benchmarks: store, copy, ttft, decode, serve, identity, remote")
     bench = benches.add_subparsers(dest="sub", required=True)
     bs = add(bench, "bench store", "store micro-benchmark against raw baselines")
     bs.add_argument("--quick", action="store_true", help="finish in under 30 s")
@@ -311,6 +312,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     rp = with_config(add(sub, "replay", "replay chat traffic through the store alone (two processes), "
                              "checking every served block"))
     rp.add_argument("--conversations", type=int, default=40, help="conversations to replay (default 40)")
+    add(bench, "bench copy", "block copies between the KV cache and L1 beside one contiguous copy (CUDA or CPU)")
     add(bench, "bench ttft", "TTFT cold vs native, L1, L2, peer and LMCache hits on one engine")
     add(bench, "bench decode", "decode throughput with a slow disk tier, beside no connector")
     add(bench, "bench serve", "trace replay against real servers, beside the baselines")

@@ -110,8 +110,8 @@ class WorkerSide:
                     self._load_errors.update(op.block_ids)
             if op.load_async:  # every op of a request comes in one step: it is done after this loop
                 self._recving.add(op.req_id)
-            # The arena slots are read once load() returns (on CUDA only the upload from the
-            # staging buffer is still queued), so the scheduler may unpin them after this step.
+            # The arena slots are read once load() returns (on CUDA only the GPU scatter of the
+            # staged rows is still queued), so the scheduler may unpin them after this step.
             self._loaded.add(op.op_id)
         self._load_s.append(time.perf_counter() - started)
         self._bytes_read += (sum(len(op.slots) for op in meta.loads)
