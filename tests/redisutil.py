@@ -8,9 +8,11 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import redis
+import torch
 
 from kvstrata.tools import serving
 
@@ -99,3 +101,41 @@ def shared_backend(kind: str, folder: Path) -> Iterator[dict[str, object]]:
             yield {"backend": "redis", "url": url, "cluster": True}
     else:
         yield {"backend": "fs", "path": str(folder / "shared")}
+
+
+# ------------------------------------------------------------- what the remote tier's tests share
+BLOCK_BYTES = 2048  # a block of the remote tier's unit tests
+
+
+def random_prompt(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.uint32)
+
+
+def key_payloads(chain: Any, size: int = BLOCK_BYTES) -> torch.Tensor:
+    """Block bytes derived from each key (the key repeated), so any load can be checked against its key."""
+    rows = [np.frombuffer(k * (size // 16), np.uint8) for k in chain.keys]
+    return torch.from_numpy(np.stack(rows).copy())
+
+
+class SharedPrompt:
+    """A writer (``open_store("writer")``) stored ``tokens`` in the remote tier and flushed;
+    ``reader(name, ...)`` opens a fresh instance (``open_store(name, ...)``) that knows nothing of
+    it locally, so its lookups and loads read what Redis holds. ``close()`` closes the readers."""
+
+    def __init__(self, url: str, open_store: Callable[..., Any], ns: Any, tokens: np.ndarray) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.tokens, self._open, self.opened = tokens, open_store, []
+        with open_store("writer") as writer:
+            self.epoch, self.chain = writer.chain(ns, tokens)
+            self.expected = key_payloads(self.chain)
+            assert writer.save_now(ns, self.epoch, self.chain, self.expected) == len(self.chain.keys)
+            writer.flush()
+
+    def reader(self, name: str = "reader", *args: Any, **kw: Any) -> Any:
+        store = self._open(name, *args, **kw)
+        self.opened.append(store)
+        return store
+
+    def close(self) -> None:
+        for store in self.opened:
+            store.close()

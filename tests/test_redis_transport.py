@@ -191,13 +191,11 @@ def store(tmp: Path, name: str, remote: dict) -> BlockStore:
     return BlockStore(load_config(None, overrides))
 
 
-def payloads(chain) -> torch.Tensor:
-    rows = [np.frombuffer(k * (SIZE // 16), np.uint8) for k in chain.keys]
-    return torch.from_numpy(np.stack(rows).copy())
+payloads = redisutil.key_payloads
 
 
 def prompt(seed: int, n: int = 8 * 16 + 5) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.uint32)
+    return redisutil.random_prompt(seed, n)
 
 
 def subscribers(server: redis.Redis) -> int:

@@ -20,10 +20,7 @@ NS = Namespace("test", "tiny", "v1", "bfloat16", "4x[2,16,64]", 16)
 SIZE = 2048
 
 
-def payloads(chain) -> torch.Tensor:
-    """Block bytes derived from each key, so any load can be checked against its key."""
-    rows = [np.frombuffer(k * (SIZE // 16), np.uint8) for k in chain.keys]
-    return torch.from_numpy(np.stack(rows).copy())
+payloads = redisutil.key_payloads  # block bytes derived from each key
 
 
 def store(tmp: Path, name: str, remote: dict) -> BlockStore:
@@ -33,13 +30,7 @@ def store(tmp: Path, name: str, remote: dict) -> BlockStore:
 
 
 def prompt(seed: int, n: int = 64 * 16 + 5) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.uint32)
-
-
-@pytest.fixture
-def redis_url(tmp_path):
-    with redisutil.standalone(tmp_path / "redis") as (url, port, procs):
-        yield url
+    return redisutil.random_prompt(seed, n)
 
 
 @pytest.fixture(params=["redis", "cluster", "fs"])

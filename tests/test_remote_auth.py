@@ -51,12 +51,10 @@ def open_store(tmp: Path, name: str, redis_url: str, secret: bytes | None = SECR
 
 
 def prompt(seed: int, n: int = 8 * 16) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.uint32)
+    return redisutil.random_prompt(seed, n)
 
 
-def payloads(chain) -> torch.Tensor:
-    rows = [np.frombuffer(k * (SIZE // 16), np.uint8) for k in chain.keys]
-    return torch.from_numpy(np.stack(rows).copy())
+payloads = redisutil.key_payloads
 
 
 def load(store: BlockStore, tokens: np.ndarray, ns: Namespace = NS) -> tuple[int, int, torch.Tensor]:
@@ -87,29 +85,12 @@ def rewritten(header: bytes, payload: bytes | None = None, **changes) -> bytes:
 
 @pytest.fixture
 def shared(tmp_path, redis_url):
-    """A writer holding secret A stored an 8-block prompt; ``reader()`` opens a fresh instance
-    (secret A unless told), so its lookups and loads read what Redis holds."""
-
-    class Shared:
-        client = redis.Redis.from_url(redis_url)
-        tokens = prompt(1)
-        opened: list[BlockStore] = []
-
-        def reader(self, name: str = "reader", secret: bytes | None = SECRET_A) -> BlockStore:
-            store = open_store(tmp_path, name, redis_url, secret)
-            self.opened.append(store)
-            return store
-
-    s = Shared()
-    with open_store(tmp_path, "writer", redis_url) as writer:
-        epoch, s.chain = writer.chain(NS, s.tokens)
-        s.epoch = epoch
-        s.expected = payloads(s.chain)
-        assert writer.save_now(NS, epoch, s.chain, s.expected) == 8
-        writer.flush()
+    """A writer holding secret A stored an 8-block prompt; ``reader(name, secret)`` opens a fresh
+    instance (secret A unless told), so its lookups and loads read what Redis holds."""
+    s = redisutil.SharedPrompt(redis_url, lambda name, *a, **kw: open_store(tmp_path, name, redis_url, *a, **kw),
+                               NS, prompt(1))
     yield s
-    for store in s.opened:
-        store.close()
+    s.close()
 
 
 def auth_counts(store: BlockStore) -> dict[str, int]:

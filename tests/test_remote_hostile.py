@@ -41,12 +41,10 @@ def open_store(tmp: Path, name: str, redis_url: str, **extra: object) -> BlockSt
 
 
 def prompt(seed: int, n: int = 8 * 16) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.uint32)
+    return redisutil.random_prompt(seed, n)
 
 
-def payloads(chain) -> torch.Tensor:
-    rows = [np.frombuffer(k * (SIZE // 16), np.uint8) for k in chain.keys]
-    return torch.from_numpy(np.stack(rows).copy())
+payloads = redisutil.key_payloads
 
 
 def p_name(key: bytes) -> str:
@@ -65,26 +63,10 @@ def t_name(parent: bytes) -> str:
 def shared(tmp_path, redis_url):
     """A writer stored an 8-block prompt in Redis; ``reader()`` opens a fresh instance that knows
     nothing of it locally, so its lookups and loads read what Redis holds."""
-
-    class Shared:
-        client = redis.Redis.from_url(redis_url)
-        tokens = prompt(1)
-        opened: list[BlockStore] = []
-
-        def reader(self, name: str = "reader") -> BlockStore:
-            store = open_store(tmp_path, name, redis_url)
-            self.opened.append(store)
-            return store
-
-    s = Shared()
-    with open_store(tmp_path, "writer", redis_url) as writer:
-        epoch, s.chain = writer.chain(NS, s.tokens)
-        s.expected = payloads(s.chain)
-        assert writer.save_now(NS, epoch, s.chain, s.expected) == 8
-        writer.flush()
+    s = redisutil.SharedPrompt(redis_url, lambda name, **kw: open_store(tmp_path, name, redis_url, **kw),
+                               NS, prompt(1))
     yield s
-    for store in s.opened:
-        store.close()
+    s.close()
 
 
 def load(store: BlockStore, tokens: np.ndarray) -> tuple[int, int, torch.Tensor]:
