@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import StepEngine, disk_config, gen, ids, tiny_model
+from engines.conftest import StepEngine, delta, disk_config, gen, ids, tiny_model
 from engines.test_vllm_tp import RankHarness
 from kvstrata.blockfmt import HEADER_SIZE
 
@@ -113,7 +113,7 @@ def mla_runs(baseline, tmp_path_factory) -> dict:
         # what TP=2 wrote to disk. Its counters: what grew while it served SECOND.
         before = first.counters()
         served, after = first.run([gen(SECOND), counters])
-        runs["tp1_again"] = [served, {k: v - before.get(k, 0) for k, v in after.items()}]
+        runs["tp1_again"] = [served, delta(after, before)]
     cached = [r["cached"] for phase in ("tp1", "tp2", "tp1_again") for r in runs[phase] if "cached" in r]
     print(f"mla: stored bytes per token {runs['bytes_tp1'] / len(FIRST):.1f} at TP=1, "
           f"{runs['bytes_tp2'] / len(SECOND):.1f} at TP=2; cached tokens, phase by phase: {cached}")
