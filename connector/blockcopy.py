@@ -38,6 +38,15 @@ def block_dim(shape: tuple[int, ...], num_blocks: int) -> int:
     raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV cache shape {tuple(shape)}")
 
 
+def _runs(slots: list[int], limit: int | None = None) -> Iterator[tuple[int, int]]:
+    """``(begin, end)``: index ranges of ``slots`` whose slots are consecutive, ``limit`` long at most."""
+    begin = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1 or i - begin == limit:
+            yield begin, i
+            begin = i
+
+
 def _check_pairs(slots: list[int], block_ids: list[int]) -> None:
     if len(slots) != len(block_ids):
         raise ValueError(f"{len(slots)} arena slots for {len(block_ids)} engine blocks: one slot per block")
@@ -128,19 +137,12 @@ class BlockLayout:
                      block_ids: list[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(first slot, block ids on the GPU, GPU staging rows)`` per run of consecutive slots, cut to
         the staging buffer's size. Called on the side stream, which orders the buffer's reuse."""
-        per_chunk = max(1, STAGING_BYTES // max(1, self.nbytes))
-        if self._staging is None:
-            self._staging = torch.empty(min(len(slots), per_chunk) * self.nbytes, dtype=torch.uint8,
-                                        device=self.device)
-        begin = 0
-        for i in range(1, len(slots) + 1):
-            if i == len(slots) or slots[i] != slots[i - 1] + 1 or i - begin == per_chunk:
-                n = i - begin
-                if self._staging.numel() < n * self.nbytes:
-                    self._staging = torch.empty(n * self.nbytes, dtype=torch.uint8, device=self.device)
-                ids = torch.tensor(block_ids[begin:i], dtype=torch.long).to(self.device, non_blocking=True)
-                yield slots[begin], ids, self._staging[: n * self.nbytes].view(n, self.nbytes)
-                begin = i
+        for begin, end in _runs(slots, limit=max(1, STAGING_BYTES // max(1, self.nbytes))):
+            need = (end - begin) * self.nbytes
+            if self._staging is None or self._staging.numel() < need:
+                self._staging = torch.empty(need, dtype=torch.uint8, device=self.device)
+            ids = torch.tensor(block_ids[begin:end], dtype=torch.long, device=self.device)
+            yield slots[begin], ids, self._staging[:need].view(end - begin, self.nbytes)
 
     def _stage_view(self, stage: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """One layer's bytes of the staged rows, as that layer's blocks (a view)."""
@@ -167,13 +169,10 @@ class BlockLayout:
                   block_ids: list[int]) -> Iterator[tuple[_Layer, torch.Tensor, torch.Tensor]]:
         """For each run of consecutive slots and each layer: ``(layer, the run's block ids, the
         run's slots as that layer's blocks)``, one batched copy each."""
-        begin = 0
-        for i in range(1, len(slots) + 1):
-            if i == len(slots) or slots[i] != slots[i - 1] + 1:
-                ids = torch.tensor(block_ids[begin:i], dtype=torch.long)
-                for layer in self.layers:
-                    yield layer, ids, self._slot_view(arena, slots[begin], i - begin, layer)
-                begin = i
+        for begin, end in _runs(slots):
+            ids = torch.tensor(block_ids[begin:end], dtype=torch.long)
+            for layer in self.layers:
+                yield layer, ids, self._slot_view(arena, slots[begin], end - begin, layer)
 
     @staticmethod
     def _slot_view(arena: torch.Tensor, start: int, n: int, layer: _Layer) -> torch.Tensor:

@@ -95,3 +95,9 @@ def test_bench_copy_measures_both_sides_beside_the_bound(capsys):
         for key in ("save_over_bound", "load_over_bound", "per_block_over_save", "per_block_over_load",
                     "load_return_ms"):
             assert r[key] > 0
+
+
+def test_runs_of_consecutive_slots_are_cut_at_the_limit():
+    assert list(blockcopy._runs([5, 1, 2, 3, 9])) == [(0, 1), (1, 4), (4, 5)]
+    assert list(blockcopy._runs([5, 1, 2, 3, 9], limit=2)) == [(0, 1), (1, 3), (3, 4), (4, 5)]
+    assert list(blockcopy._runs([])) == []
