@@ -169,3 +169,9 @@ class PolledEpochs(EpochStore):
         so a forged or late one costs a read, nothing more."""
         with self._lock:
             self._recheck.add(ns_seed)
+
+    def changed_all(self) -> None:
+        """Announcements may have been missed (a subscriber (re)connected): re-read every
+        namespace at its next use instead of waiting for ``refresh_s``."""
+        with self._lock:
+            self._recheck.update(self._known)

@@ -103,6 +103,12 @@ def shared_backend(kind: str, folder: Path) -> Iterator[dict[str, object]]:
         yield {"backend": "fs", "path": str(folder / "shared")}
 
 
+def listening(store: Any, timeout_s: float = 30) -> None:
+    """Wait until ``store``'s epoch subscriber is subscribed (it connects on its own thread): a
+    message published before that reaches it not."""
+    assert store.epochs.listening.wait(timeout_s), f"no epoch subscriber after {timeout_s} s"
+
+
 # ------------------------------------------------------------- what the remote tier's tests share
 BLOCK_BYTES = 2048  # a block of the remote tier's unit tests
 

@@ -9,6 +9,7 @@ epoch again, from Redis or from its local disk.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import redis
 import redisutil
 from kvstrata import BlockStore, Namespace
 from kvstrata.config import load_config
+from kvstrata.epochs import new_epoch
 from kvstrata.store import recovery
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
@@ -166,12 +168,11 @@ def test_a_forged_announcement_cannot_set_an_epoch(tmp_path, server):
     """Scenario: a message on the epochs channel carries a huge or malformed value. Instances
     only re-read Redis on an announcement, so lookups go on and serve the current epoch."""
     url, _, _ = server
-    import time
-
     with open_store(tmp_path, "writer", url, **{"remote.invalidation_ms": 60_000}) as writer:
         store_prompt(writer)
         current = writer.current_epoch(NS)
         client = redis.Redis.from_url(url)
+        redisutil.listening(writer)
         for message in (f"{NS.seed.hex()}:{1 << 64}", "zz:1", "\xff", f"{NS.seed.hex()}:0"):
             client.publish("kvstrata:epochs", message)
         deadline = time.monotonic() + 30  # the subscriber thread reads them (slow on a loaded machine)
@@ -181,3 +182,23 @@ def test_a_forged_announcement_cannot_set_an_epoch(tmp_path, server):
         assert writer.lookup(NS, tokens()).num_blocks == 4
         assert writer.current_epoch(NS) == current
         assert writer.counters.get("remote_bad_messages") >= 2
+
+
+def test_a_reset_announced_while_the_subscriber_was_away_is_seen_once_it_listens_again(tmp_path, server):
+    """Scenario: the connection of an instance's epoch subscriber drops (a Redis restart, a proxy
+    idle timeout, CLIENT KILL) and another instance resets the namespace before it is back: the
+    announcement reaches nobody. The instance re-reads its namespaces when it listens again, not
+    only after remote.invalidation_ms (a minute here), so it serves nothing of the old epoch."""
+    url, _, _ = server
+    client = redis.Redis.from_url(url)
+    with open_store(tmp_path, "writer", url, **{"remote.invalidation_ms": 60_000}) as writer:
+        store_prompt(writer)
+        redisutil.listening(writer)
+        assert writer.lookup(NS, tokens()).num_blocks == 4
+        assert client.client_kill_filter(_type="pubsub") == 1
+        client.set(EPOCH_KEY, str(new_epoch()))  # the reset; its announcement went to nobody
+        deadline = time.monotonic() + 10  # the subscriber marks the namespaces once it hears it listens
+        while writer.lookup(NS, tokens()).num_blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert writer.lookup(NS, tokens()).num_blocks == 0
+        assert writer.current_epoch(NS) == int(client.get(EPOCH_KEY))

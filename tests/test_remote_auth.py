@@ -220,6 +220,7 @@ def test_forged_announcements_are_counted_and_ignored(shared):
     b = shared.reader()
     assert b.lookup(NS, shared.tokens).num_blocks == 8
     channel = f"kvstrata:{KID_A}:epochs"
+    redisutil.listening(b)
     for message in (NS.seed.hex(), f"{NS.seed.hex()}:{'0' * 32}", b"\xff" * 40):
         shared.client.publish(channel, message)
     deadline = time.monotonic() + 20

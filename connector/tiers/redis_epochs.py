@@ -45,8 +45,9 @@ class RedisEpochs(PolledEpochs):
     gives no epoch (``remote_unstable_epochs``): a failed read. Announcements carry only the
     namespace: they make the next use re-read Redis, so a forged or delayed message can cost a
     round trip but never set an epoch (``remote_bad_messages`` counts those that name no
-    namespace). A namespace is also re-read at its first use after ``invalidation_ms``, which
-    covers a missed message.
+    namespace). Every namespace is re-read at its next use once the subscriber is listening (at
+    start and after each reconnection: what was announced meanwhile is not lost), and at its
+    first use after ``invalidation_ms``, which covers a message lost otherwise.
 
     Lookups use an epoch only within ``invalidation_ms + confirm_margin_ms`` of the read that
     confirmed it (``PolledEpochs``): while Redis is unreachable, slow or hung, lookups miss once that
@@ -73,6 +74,7 @@ class RedisEpochs(PolledEpochs):
         self._p = tier.prefix
         self._channel = f"{self._p}:epochs"
         self._stop = threading.Event()
+        self.listening = threading.Event()  # set while the subscriber is subscribed
         self._thread = threading.Thread(target=self._listen, name="kvstrata-epochs", daemon=True)
         self._thread.start()
 
@@ -230,7 +232,11 @@ class RedisEpochs(PolledEpochs):
                     msg = pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
                         self._forget(msg.get("data"))
+                    elif msg and msg.get("type") == "subscribe":  # listening (again) from here:
+                        self.changed_all()  # what was announced before is re-read at the next use
+                        self.listening.set()
             except errors as e:  # reconnect with a pause; polling in get() covers the gap
+                self.listening.clear()
                 if self._stop.is_set():  # closed, and then the server went: nothing to report
                     break
                 log.log(logging.DEBUG if failing else logging.WARNING,
@@ -239,6 +245,7 @@ class RedisEpochs(PolledEpochs):
                 failing = True
                 self._stop.wait(min(5.0, self._cfg.breaker.reset_ms / 1000))
             except Exception:  # a bug: say so loudly (once), then keep the thread (polling still works)
+                self.listening.clear()
                 log.log(logging.DEBUG if failing else logging.ERROR, "kvstrata remote: epoch subscriber failed",
                         exc_info=True)
                 failing = True
