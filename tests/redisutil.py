@@ -105,7 +105,7 @@ def shared_backend(kind: str, folder: Path) -> Iterator[dict[str, object]]:
 
 def listening(store: Any, timeout_s: float = 30) -> None:
     """Wait until ``store``'s epoch subscriber is subscribed (it connects on its own thread): a
-    message published before that reaches it not."""
+    message published before that never reaches it."""
     assert store.epochs.listening.wait(timeout_s), f"no epoch subscriber after {timeout_s} s"
 
 
