@@ -262,7 +262,7 @@ def test_cli_invalidate_says_what_was_not_invalidated_and_exits_1(tmp_path, redi
     with FaultyProxy(redis_url) as proxy:
         config = tmp_path / "kvstrata.yaml"
         config.write_text(f"l2:\n  path: {tmp_path / 'cli' / 'l2'}\nremote:\n  enabled: true\n  url: {proxy.url}\n"
-                          f"  timeout_ms: 100\n")
+                          f"  timeout_ms: 2000\n")  # refused connections fail at once; a loaded machine's proxy is slow
         with BlockStore(load_config(config)) as store:
             store_prompt(store)
         proxy.set_mode("refuse")
