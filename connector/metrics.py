@@ -86,6 +86,8 @@ METRICS: tuple[MetricDef, ...] = (
               "unconfirmed_epoch_misses"),
     MetricDef("breaker_trips", "counter", "Times the shared tier's circuit breaker opened.",
               "{tier}_circuit_opened"),
+    MetricDef("breaker_recoveries", "counter", "Times the shared tier's circuit breaker closed again (a trial "
+              "call succeeded): while breaker_trips exceeds it, the tier is skipped.", "{tier}_circuit_closed"),
     MetricDef("resident_bytes", "gauge", "Bytes a tier holds now.", "{tier}_resident_bytes"),
     MetricDef("resident_blocks", "gauge", "Blocks a tier holds now.", "{tier}_resident_blocks"),
     MetricDef("lookup_seconds", "histogram", "Time of one lookup call (all blocks of a prompt).",

@@ -181,6 +181,32 @@ def test_dead_redis_never_fails_a_request_and_hits_resume_after_restart(tmp_path
         b.close()
 
 
+def test_circuit_closes_once_redis_is_back_without_waiting_out_the_backoff(tmp_path):
+    """Scenario: Redis dies long enough for the breaker's backoff to grow (here its first step is
+    already a minute), then comes back. The epoch subscriber, connected again, sends the trial
+    call itself: the circuit closes within seconds, with no request to pay for it, and the next
+    save reaches Redis (before, saves were dropped until the backoff ran out)."""
+    with redisutil.standalone(tmp_path / "redis") as (url, port, procs):
+        a = store(tmp_path, "a", {"url": url, "timeout_ms": 100, "breaker.reset_ms": 60_000})
+        redisutil.listening(a)
+        redisutil.stop(procs.pop())
+        tokens = prompt(9, 4 * 16)
+        while not a.counters.get("remote_circuit_opened"):
+            assert a.lookup(NS, tokens).num_blocks == 0
+        assert a.remote.breaker.call(lambda: "called", "skipped") == "skipped"  # open: not even tried
+        procs.append(redisutil.start(port, tmp_path / "redis"))
+        deadline = time.monotonic() + 20  # the subscriber retries every min(5 s, reset_ms)
+        while not a.counters.get("remote_circuit_closed"):
+            assert time.monotonic() < deadline, "the circuit stayed open after Redis came back"
+            time.sleep(0.05)
+        before = a.counters.get("remote_bytes_written")
+        epoch, chain = a.chain(NS, tokens)
+        a.save_now(NS, epoch, chain, payloads(chain))
+        assert a.counters.get("remote_bytes_written") - before == 4 * SIZE
+        assert redis.Redis.from_url(url).exists(f"kvstrata:{{{chain.keys[3].hex()}}}:i")
+        a.close()
+
+
 def test_fs_gc_keeps_capacity_and_spares_leased_blocks(tmp_path):
     shared = {"backend": "fs", "path": str(tmp_path / "shared"), "size": 20 * (SIZE + 128)}
     a = store(tmp_path, "a", shared)

@@ -53,7 +53,8 @@ class RedisEpochs(PolledEpochs):
     confirmed it (``PolledEpochs``): while Redis is unreachable, slow or hung, lookups miss once that
     bound has passed (counted by the store as ``unconfirmed_epoch_misses``), and hits resume
     with the first read that succeeds (the breaker lets one through every ``breaker.reset_ms``,
-    doubling). ``allow_stale_epoch`` restores the lenient policy. A namespace never read gets a
+    doubling, and at once when the subscriber has connected again: it sends that trial itself).
+    ``allow_stale_epoch`` restores the lenient policy. A namespace never read gets a
     process-local epoch (misses, and saves nobody else can see).
     """
 
@@ -235,6 +236,7 @@ class RedisEpochs(PolledEpochs):
                     elif msg and msg.get("type") == "subscribe":  # listening (again) from here:
                         self.changed_all()  # what was announced before is re-read at the next use
                         self.listening.set()
+                        self._tier.breaker.retry_now(self._tier.client.ping)  # saves resume now
             except errors as e:  # reconnect with a pause; polling in get() covers the gap
                 self.listening.clear()
                 if self._stop.is_set():  # closed, and then the server went: nothing to report

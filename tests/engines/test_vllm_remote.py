@@ -54,6 +54,18 @@ def wait_published(engine: StepEngine, before: dict[str, int], blocks: int = len
         time.sleep(0.3)
 
 
+def wait_reachable(engine: StepEngine, timeout: float = 30) -> dict[str, int]:
+    """Until ``engine``'s circuit breaker on the remote tier is closed (it closes as many times as
+    it opened: its epoch subscriber, connected again, makes the trial call); its counters then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counters = engine.counters()
+        if counters.get("remote_circuit_closed", 0) >= counters.get("remote_circuit_opened", 0):
+            return counters
+        assert time.monotonic() < deadline, f"the circuit stayed open: {counters}"
+        time.sleep(0.2)
+
+
 class Pairs:
     """``pairs(backend)``: two engines (``a``, ``b``) on a fresh shared tier of that backend,
     started on first use and kept for the module; ``pairs.redis``: the standalone Redis of the
@@ -145,8 +157,9 @@ def test_redis_killed_mid_run_fails_no_request_and_hits_resume_after_restart(pai
     redisutil.stop(procs.pop())
     ra += a.run([gen(p2), gen(p1)])
     procs.append(redisutil.start(port, folder))
-    _, before, last = a.run([{"op": "sleep", "s": 2.5}, {"op": "counters"}, gen(p3)])
-    ra.append(last)
+    before = wait_reachable(a)
+    assert before.get("remote_circuit_opened", 0) >= 1  # the kill was seen: the breaker opened
+    ra += a.run([gen(p3)])
     wait_published(a, before)
     counted = b.counters()
     rb = b.run([gen(p3), {"op": "counters"}])
