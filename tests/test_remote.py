@@ -207,6 +207,28 @@ def test_circuit_closes_once_redis_is_back_without_waiting_out_the_backoff(tmp_p
         a.close()
 
 
+def test_an_open_circuit_is_tried_and_closed_by_the_subscriber_with_no_request(tmp_path, redis_url):
+    """Scenario: the circuit opened (three failed calls; Redis itself stayed up, and so did the
+    subscriber's connection) and then no request comes. The subscriber makes the half-open trial
+    when it is due: the circuit closes after the backoff by itself, and the first request after
+    it pays no trial (before, the first request made it, and paid its timeout if it hung)."""
+    a = store(tmp_path, "a", {"url": redis_url, "breaker.reset_ms": 300})
+    redisutil.listening(a)
+
+    def outage() -> None:
+        raise OSError("unreachable")
+
+    for _ in range(3):
+        assert a.remote.breaker.call(outage, "miss") == "miss"
+    assert a.counters.get("remote_circuit_opened") == 1
+    deadline = time.monotonic() + 10
+    while not a.counters.get("remote_circuit_closed"):
+        assert time.monotonic() < deadline, "nobody tried the open circuit"
+        time.sleep(0.05)
+    assert a.remote.breaker.call(lambda: "called", "skipped") == "called"
+    a.close()
+
+
 def test_fs_gc_keeps_capacity_and_spares_leased_blocks(tmp_path):
     shared = {"backend": "fs", "path": str(tmp_path / "shared"), "size": 20 * (SIZE + 128)}
     a = store(tmp_path, "a", shared)

@@ -4,9 +4,10 @@
 errors it opens: calls return ``default`` at once (a miss, a dropped save) instead of waiting for
 a dead service, so requests are served from local tiers and recompute. After ``reset_ms`` one call
 is let through (half-open); success closes the circuit, failure reopens it with twice the delay, up
-to ``max_backoff_ms``. Errors are logged once per opening, not per call. ``retry_now`` lets a
-watcher that has seen the service come back (the Redis epoch subscriber, connected again) make that
-trial at once instead of at the end of the backoff, which may be ``max_backoff_ms`` away.
+to ``max_backoff_ms``. Errors are logged once per opening, not per call. ``trial`` lets a watcher
+thread (the Redis epoch subscriber) make the half-open trial itself, so that the circuit closes
+when the service is back with no request to pay for it (a trial may cost a timeout) and saves
+resume, and at once when the watcher has just seen the service come back, whatever the backoff.
 
 Only the errors of the service count (``errors``: the client library's error classes and
 ``OSError``, which covers sockets, timeouts and TLS). Anything else raised by ``fn`` is a bug in
@@ -70,16 +71,18 @@ class Breaker:
             self._backoff = self._cfg.reset_ms / 1000
         return result
 
-    def retry_now(self, fn: Callable[[], object]) -> None:
-        """The service looks reachable again (a watcher connected to it): if the circuit is open,
-        make the half-open trial ``fn`` now. Success closes the circuit; failure reopens it, the
-        backoff growing as usual, so a service that accepts connections but fails calls costs one
-        trial per sign of life, never a burst of timeouts."""
+    def trial(self, fn: Callable[[], object], *, now: bool = False) -> None:
+        """If the circuit is open and its trial is due, make it here: ``fn``, whose success closes
+        the circuit and whose failure reopens it with the backoff growing as usual. ``now``: due
+        at once, whatever the backoff (the caller has just seen the service accept it again)."""
         with self._lock:
             if not self._open_until or self._probing:
                 return
-            self._open_until = time.monotonic()  # due: the next call is the trial
-        self.call(fn, None)  # another thread may take the trial first; this one is then skipped
+            if now:
+                self._open_until = min(self._open_until, time.monotonic())
+            elif time.monotonic() < self._open_until:
+                return
+        self.call(fn, None)  # a request may take the trial first; this call is then skipped
 
     def _failed(self, err: BaseException) -> None:
         self._counters.inc(f"{self._name}_errors")

@@ -53,7 +53,8 @@ class RedisEpochs(PolledEpochs):
     confirmed it (``PolledEpochs``): while Redis is unreachable, slow or hung, lookups miss once that
     bound has passed (counted by the store as ``unconfirmed_epoch_misses``), and hits resume
     with the first read that succeeds (the breaker lets one through every ``breaker.reset_ms``,
-    doubling, and at once when the subscriber has connected again: it sends that trial itself).
+    doubling; the subscriber makes that trial itself when it is due, and at once when it has
+    connected again).
     ``allow_stale_epoch`` restores the lenient policy. A namespace never read gets a
     process-local epoch (misses, and saves nobody else can see).
     """
@@ -229,6 +230,7 @@ class RedisEpochs(PolledEpochs):
                     log.warning("kvstrata remote: epoch subscriber connected again")
                     failing = False
                 while not self._stop.is_set():
+                    self._tier.breaker.trial(self._tier.client.ping)  # an open circuit's trial, not a request's
                     self.write_pending()  # a reset Redis refused is written as soon as it answers
                     msg = pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
@@ -236,7 +238,7 @@ class RedisEpochs(PolledEpochs):
                     elif msg and msg.get("type") == "subscribe":  # listening (again) from here:
                         self.changed_all()  # what was announced before is re-read at the next use
                         self.listening.set()
-                        self._tier.breaker.retry_now(self._tier.client.ping)  # saves resume now
+                        self._tier.breaker.trial(self._tier.client.ping, now=True)  # saves resume now
             except errors as e:  # reconnect with a pause; polling in get() covers the gap
                 self.listening.clear()
                 if self._stop.is_set():  # closed, and then the server went: nothing to report

@@ -54,9 +54,10 @@ def wait_published(engine: StepEngine, before: dict[str, int], blocks: int = len
         time.sleep(0.3)
 
 
-def wait_reachable(engine: StepEngine, timeout: float = 30) -> dict[str, int]:
-    """Until ``engine``'s circuit breaker on the remote tier is closed (it closes as many times as
-    it opened: its epoch subscriber, connected again, makes the trial call); its counters then."""
+def wait_reachable(engine: StepEngine, timeout: float = 60) -> dict[str, int]:
+    """Until ``engine``'s circuit breaker on the remote tier is closed (it closed as many times as
+    it opened: its epoch subscriber makes the trial calls, the first as soon as it is connected
+    again); its counters then."""
     deadline = time.monotonic() + timeout
     while True:
         counters = engine.counters()
@@ -82,7 +83,8 @@ class Pairs:
             tmp = self.tmp_path_factory.mktemp(f"remote-{backend}")
             if backend == "redis":
                 url, port, procs = self.stack.enter_context(redisutil.standalone(tmp / "redis"))
-                self.redis, shared = (port, procs, tmp / "redis"), {"backend": "redis", "url": url}
+                # timeout_ms: calls that must succeed on a loaded host (a killed Redis refuses at once)
+                self.redis, shared = (port, procs, tmp / "redis"), {"backend": "redis", "url": url, "timeout_ms": 2000}
             else:
                 shared = self.stack.enter_context(redisutil.shared_backend(backend, tmp))
             self.made[backend] = tuple(self.stack.enter_context(  # type: ignore[assignment]
