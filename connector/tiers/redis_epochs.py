@@ -237,8 +237,8 @@ class RedisEpochs(PolledEpochs):
                         self._forget(msg.get("data"))
                     elif msg and msg.get("type") == "subscribe":  # listening (again) from here:
                         self.changed_all()  # what was announced before is re-read at the next use
-                        self.listening.set()
                         self._tier.breaker.trial(self._tier.client.ping, now=True)  # saves resume now
+                        self.listening.set()
             except errors as e:  # reconnect with a pause; polling in get() covers the gap
                 self.listening.clear()
                 if self._stop.is_set():  # closed, and then the server went: nothing to report
