@@ -2,8 +2,7 @@
 
 Owns the namespace derivation (model and weights version, KV dtype, device layout, block size,
 parallel group, a speculative draft whose layers keep KV in the blocks: ``draft_identity``),
-whether a block is stored once for every tensor-parallel rank (``latent_shared``: MLA), the
-per-request identity that is not in the tokens (``request_extra``), and the arena's name in
+whether a block is stored once for every tensor-parallel rank (``latent_shared``: MLA), and the arena's name in
 ``/dev/shm`` (``KVSTRATA_SHM_DIR``) with the clean-up of arenas whose engine died.
 """
 
@@ -18,7 +17,7 @@ import torch
 
 from kvstrata.config import StrataConfig
 from kvstrata.identity import resolve_model_version
-from kvstrata.keys import Namespace, extra_digest
+from kvstrata.keys import Namespace
 from kvstrata.store import remove_dead_arenas
 
 from .groups import group_layouts
@@ -26,7 +25,6 @@ from .groups import group_layouts
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
 SHM_DIR = os.environ.get("KVSTRATA_SHM_DIR", "/dev/shm")
@@ -115,19 +113,6 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
         tenant=cfg.namespace.tenant,
         extra={"pp": str(par.pipeline_parallel_size), **draft_identity(vllm_config)},
     )
-
-
-def request_extra(request: "Request") -> bytes:
-    """Per-request identity that is not in the tokens: cache salt, LoRA, multimodal inputs."""
-    keys: list[object] = []
-    if getattr(request, "cache_salt", None):
-        keys.append(f"salt:{request.cache_salt}")
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        keys.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")
-    for feature in getattr(request, "mm_features", None) or ():
-        keys.append(f"mm:{getattr(feature, 'identifier', feature)}")
-    return extra_digest(keys)
 
 
 def new_arena_path() -> str:

@@ -49,7 +49,8 @@ from .groups import group_layouts
 from .hybrid import HybridPlans
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
 from .metrics import StatsCollector
-from .namespace import namespace_for, new_arena_path, request_extra
+from .namespace import namespace_for, new_arena_path
+from .request_keys import request_extra
 from .roles import make_role
 from .slots import slot_plan
 

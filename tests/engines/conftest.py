@@ -162,13 +162,16 @@ class StepEngine:
                  mp: bool = False, tp: int = 1, module_path: bool = True, dtype: str = "auto",
                  env: dict[str, str] | None = None, prefix: Sequence[str] = (), block_size: int = BS,
                  speculative: dict[str, Any] | None = None, pp: int = 1,
-                 compilation: dict[str, Any] | None = None) -> None:
+                 compilation: dict[str, Any] | None = None, **options: Any) -> None:
+        """``options``: more keys of vllm_steps.py's SPEC (``lora``, ``prompt_embeds``, ``hf_overrides``,
+        ``quantization``, ``max_model_len``)."""
         log_dir.mkdir(parents=True, exist_ok=True)
         tag = f"{name}-{os.urandom(3).hex()}"
         spec = log_dir / f"{tag}.json"
         spec.write_text(json.dumps({"model": model, "config": str(config) if config else None, "mp": mp, "tp": tp,
                                     "block_size": block_size, "module_path": module_path, "dtype": dtype,
-                                    "speculative": speculative, "pp": pp, "compilation": compilation}))
+                                    "speculative": speculative, "pp": pp, "compilation": compilation,
+                                    **options}))
         self.log_path = log_dir / f"{tag}.log"
         self.config, self.name = config, name
         self._log = open(self.log_path, "w")

@@ -10,11 +10,18 @@ worker processes), "tp": int (tensor-parallel ranks, one worker process each), "
 "module_path": bool (name the connector's module, else the plugin entry point finds it),
 "speculative": dict|null (vLLM's speculative_config, e.g. {"method": "ngram", ...}; null: none),
 "pp": int (pipeline-parallel stages, default 1), "compilation": dict|null (vLLM's
-compilation_config, with enforce_eager off; null: --enforce-eager)}.
+compilation_config, with enforce_eager off; null: --enforce-eager), "lora": bool (LoRA on: rank 8, two
+adapters at once), "prompt_embeds": bool (vLLM's enable_prompt_embeds), "hf_overrides": dict|null,
+"quantization": str|null, "max_model_len": int (default 4096)}.
 
 Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null, "logprobs": k|null} ->
 {"tokens", "cached", "ms"} (and "top": the k highest logprobs of each generated token); {"op": "generate", "prompts": [[ids], ...]} -> {"tokens": [[...]], "cached":
-[...]} (one batched call: the prompts share engine steps); {"op": "reset", "connector": bool} ->
+[...]} (one batched call: the prompts share engine steps); a generate step may also carry "lora": [name, int id,
+path] (a LoRARequest) and "embeds": {"at": [lo, hi], "seed": s} (a mixed prompt: the ids, with rows lo..hi-1
+given as embeddings drawn from seed s, vLLM's ``prompt_is_token_ids`` form; "seed" null gives the token
+embeddings of the ids themselves); {"op": "reload_weights", "seed": s, "scale": x} -> {"ok"}: every weight
+of the model folder multiplied by ``1 + x * N(0, 1)`` (drawn from seed s) and loaded into the running engine
+in memory (``collective_rpc("reload_weights")``, in-process EngineCore), the model folder untouched; {"op": "reset", "connector": bool} ->
 {"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
 (in-process EngineCore only); {"op": "kv_groups"} -> {"num_blocks", "groups": [[spec class, block
 size], ...]}; {"op": "group_keys", "prompt": [ids], "salt": str|null} -> {"kinds", "keys": per group, the
@@ -67,13 +74,60 @@ def build(spec: dict):
             ktc["kv_connector_module_path"] = "kvstrata.adapters.vllm"
     return LLM(model=spec["model"], enforce_eager=not spec.get("compilation"),
                compilation_config=spec.get("compilation"), block_size=spec.get("block_size", 32),
-               max_model_len=4096, kv_transfer_config=ktc, enable_prefix_caching=True, seed=0,
+               max_model_len=spec.get("max_model_len", 4096), kv_transfer_config=ktc, enable_prefix_caching=True, seed=0,
                tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=spec.get("dtype", "auto"),
                speculative_config=spec.get("speculative"),
-               disable_log_stats=not spec.get("speculative"))  # the spec_stats step reads vLLM's metrics
+               disable_log_stats=not spec.get("speculative"), **_options(spec))
 
 
-def step(llm, op: dict) -> dict:
+def _options(spec: dict) -> dict:
+    """The spec's optional engine features, as ``vllm.LLM`` keywords (none by default)."""
+    out: dict = {}
+    if spec.get("lora"):
+        out.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    if spec.get("prompt_embeds"):
+        out["enable_prompt_embeds"] = True
+    if spec.get("hf_overrides"):
+        out["hf_overrides"] = spec["hf_overrides"]
+    if spec.get("quantization"):
+        out["quantization"] = spec["quantization"]
+    return out
+
+
+def _prompt(llm, op: dict) -> dict:
+    """The prompt of a generate step: token ids, or a mixed ids + embeddings prompt (``embeds``)."""
+    if "embeds" not in op:
+        return {"prompt_token_ids": op["prompt"]}
+    import torch
+
+    lo, hi = op["embeds"]["at"]
+    table = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model \
+        .get_input_embeddings(torch.tensor(op["prompt"]))  # in-process EngineCore
+    rows = table.detach().clone()
+    if op["embeds"].get("seed") is not None:
+        gen = torch.Generator().manual_seed(op["embeds"]["seed"])
+        rows[lo:hi] = torch.randn(hi - lo, rows.shape[1], generator=gen, dtype=torch.float32).to(rows.dtype) * 0.05
+    mask = [not lo <= i < hi for i in range(len(op["prompt"]))]
+    return {"prompt_embeds": rows, "prompt_token_ids": list(op["prompt"]), "prompt_is_token_ids": mask}
+
+
+def _reload_weights(llm, spec: dict, seed: int, scale: float) -> None:
+    """Every weight of the model folder, scaled by ``1 + scale * N(0, 1)``, loaded in memory."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = []
+    for path in sorted(glob.glob(os.path.join(spec["model"], "*.safetensors"))):
+        for name, t in sorted(load_file(path).items()):
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            weights.append((name, (t.float() * (1 + scale * noise)).to(t.dtype)))
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # the spec_stats step reads vLLM's metrics
+
+
+def step(llm, op: dict, spec: dict) -> dict:
     from vllm import SamplingParams
 
     if op["op"] == "generate":
@@ -82,13 +136,18 @@ def step(llm, op: dict) -> dict:
             outs = llm.generate([{"prompt_token_ids": p} for p in op["prompts"]], params, use_tqdm=False)
             return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                     "cached": [o.num_cached_tokens for o in outs]}
-        prompt = {"prompt_token_ids": op["prompt"]}
+        prompt = _prompt(llm, op)
         if op.get("salt"):
             prompt["cache_salt"] = op["salt"]
         if op.get("logprobs"):
             params = SamplingParams(temperature=0, max_tokens=op.get("max_tokens", 8), logprobs=op["logprobs"])
+        lora = None
+        if op.get("lora"):
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(*op["lora"])
         start = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
         res = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
                "ms": (time.perf_counter() - start) * 1000}
         if op.get("logprobs"):  # per generated token, the top logprobs, highest first
@@ -97,6 +156,9 @@ def step(llm, op: dict) -> dict:
         return res
     if op["op"] == "reset":
         return {"ok": llm.reset_prefix_cache(reset_connector=op.get("connector", False))}
+    if op["op"] == "reload_weights":
+        _reload_weights(llm, spec, op["seed"], op.get("scale", 0.5))
+        return {"ok": True}
     if op["op"] == "sleep":
         time.sleep(op["s"])
         return {}
@@ -139,7 +201,7 @@ def main() -> None:
         if not line.strip():
             continue
         try:
-            out = [step(llm, op) for op in json.loads(line)]
+            out = [step(llm, op, spec) for op in json.loads(line)]
         except Exception:  # the test fails with this; the engine stays up for the next one
             print("ERROR " + json.dumps(traceback.format_exc()), flush=True)
         else:
