@@ -1,5 +1,6 @@
 """keys.py: content addressing: ``Namespace`` (with its seed) and chained block keys
-(``root_key``, ``group_root``, ``chain_keys``, ``chain_digests``, ``block_key``).
+(``root_key``, ``group_root``, ``chain_keys``, ``chain_digests``, ``block_key``), and the extra
+digest of what a block's KV depends on beyond its token ids (``extra_digest``, ``BlockInputs``).
 
 A *namespace* names everything that makes KV bytes incompatible (engine, model and weights version,
 KV dtype and layout, parallel rank, storage format, tenant). Its seed, together with the namespace's
@@ -8,6 +9,13 @@ current epoch, is the key of block -1. The key of block i is::
     data_i = key_{i-1} || token ids of block i (one uint32-LE ``tobytes()``) || extra digest (16 B)
     key_i  = xxh3_128(data_i)
     fp_i   = xxh3_64(data_i, seed=FP_SEED)
+
+The extra digest carries every input of a request that changes the KV and is not in its token ids
+(cache salt, LoRA adapter, multimodal items, prompt embeddings). Request-wide inputs give one digest
+for every block (``bytes``); inputs that belong to positions (an image, embedding rows) give each
+block the digest of the inputs that overlap it (a ``BlockInputs``, which the engine's adapter
+derives from the engine's own per-block hash inputs), so blocks before the first such position
+keep the keys of the same tokens in any other request, and the chain carries the rest.
 
 ``fp_i`` is an independent 64-bit fingerprint of the same data. The index stores it (plus the parent
 key and the token count) instead of the token ids: 8 bytes instead of ``4 * block_size`` bytes, and
@@ -24,7 +32,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence, Union
 
 import numpy as np
 import xxhash
@@ -90,6 +98,22 @@ def extra_digest(extra_keys: Sequence[object] | None) -> bytes:
     return _h128(json.dumps([str(k) for k in extra_keys], separators=(",", ":")).encode())
 
 
+class BlockInputs(Protocol):
+    """The inputs a request's blocks depend on beyond their token ids, block by block."""
+
+    def digest(self, start: int, end: int) -> bytes:
+        """The 16-byte extra digest of the block of tokens ``[start, end)`` (a full block or a
+        partial tail): the same range of the same request always gives the same digest."""
+
+
+Extra = Union[bytes, BlockInputs]  # one digest for every block, or one per block
+
+
+def extra_at(extra: Extra, start: int, end: int) -> bytes:
+    """The extra digest of the block of tokens ``[start, end)``."""
+    return extra if isinstance(extra, bytes) else extra.digest(start, end)
+
+
 def as_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a contiguous uint32-LE array (no copy when already so)."""
     return np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE)
@@ -117,7 +141,7 @@ def chain_keys(
     root: bytes,
     tokens: np.ndarray,
     block_size: int,
-    extra: bytes = NO_EXTRA,
+    extra: Extra = NO_EXTRA,
     *,
     partial: bool = True,
     limit: int | None = None,
@@ -125,7 +149,8 @@ def chain_keys(
     """Keys for the full blocks of ``tokens`` (and the trailing partial block if ``partial``).
 
     One ``tobytes()`` for the whole prompt, then one slice and two hash calls per block: no
-    per-token Python work. ``limit`` stops after that many blocks.
+    per-token Python work. ``limit`` stops after that many blocks. ``extra``: one digest for
+    every block, or ``BlockInputs`` asked for each block's.
     """
     buf = as_tokens(tokens).tobytes()
     step = block_size * TOKEN_DTYPE.itemsize
@@ -138,8 +163,9 @@ def chain_keys(
     keys: list[bytes] = []
     fps: list[int] = []
     prev, start = root, 0
+    size = TOKEN_DTYPE.itemsize
     for end in ends:  # per block, not per token: one slice, one concatenation, two hashes
-        data = prev + buf[start:end] + extra
+        data = prev + buf[start:end] + (extra if isinstance(extra, bytes) else extra.digest(start // size, end // size))
         prev = _h128(data)
         keys.append(prev)
         fps.append(_h64(data, FP_SEED))

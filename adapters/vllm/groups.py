@@ -11,7 +11,10 @@ what a prefix hit at a block boundary needs from each group is its ``kind``:
 - ``state``: the state at exactly the boundary, stored under the key of the block ending there.
 
 ``group_layouts`` reads a ``KVCacheConfig`` into ``GroupLayout``s and refuses, with a
-``ConfigError`` that says why, what kvstrata cannot serve right. The position helpers never hand
+``ConfigError`` that says why, what kvstrata cannot serve right. ``grouped_layouts`` says whether
+a model takes that path: any model with a group other than full attention, however many groups it
+has (a model whose only group is a sliding window keeps vLLM's null block before its window, as a
+hybrid does), so every group's kind is checked at start-up and no null block reaches a save. The position helpers never hand
 out vLLM's null block (id 0): vLLM puts it where a group keeps nothing (before a window, between
 SSM states), so saving it would store garbage under a real key, and loading into it would write
 into a block every request shares.
@@ -125,6 +128,17 @@ def group_layouts(kv_cache_config: "KVCacheConfig") -> list[GroupLayout]:
     if len(sizes) > 1:
         raise ConfigError(f"kvstrata: KV cache groups of different block sizes {sorted(sizes)} are not supported yet")
     return out
+
+
+def grouped_layouts(kv_cache_config: "KVCacheConfig") -> list[GroupLayout] | None:
+    """The groups of a model whose blocks go through the per-group paths (``hybrid.py``), or None
+    for a model whose one group is full attention (dense or MLA: every position of its block
+    table is a real block). Refused (``ConfigError``, at start-up): a kind ``kind_of`` does not
+    know, whatever the number of groups."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1 and kind_of(groups[0].kv_cache_spec)[0] == "full":
+        return None
+    return group_layouts(kv_cache_config)
 
 
 def real_positions(block_ids: Sequence[int], first: int, last: int) -> np.ndarray:

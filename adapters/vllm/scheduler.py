@@ -41,16 +41,18 @@ import numpy as np
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.config import load_engine_config
-from kvstrata.keys import BlockChain
+from kvstrata.identity import AdapterVersions
+from kvstrata.keys import NO_EXTRA, BlockChain, Extra
 from kvstrata.store import BlockStore, Hit, Reservation, StoreProtocol
 
 from .events import KVEvents
-from .groups import group_layouts
+from .groups import grouped_layouts
 from .hybrid import HybridPlans
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
 from .metrics import StatsCollector
 from .namespace import namespace_for, new_arena_path
-from .request_keys import request_extra
+from .request_keys import adapter_unchanged, request_keys
+from .resets import LocalCacheGuard
 from .roles import make_role
 from .slots import slot_plan
 
@@ -77,7 +79,11 @@ class _Pending:
 
     request: "Request"
     tokens: np.ndarray
-    extra: bytes
+    extra: Extra
+    adapter: tuple[int, str, str] | None = None  # the LoRA adapter (id, path, version) the keys cover
+    served: bool = True  # False: no lookups (its keys cannot be made: request_keys)
+    saves: bool = True  # False: nothing of it is stored (keyless, or its KV may predate a reset)
+    checked: bool = False  # its local prefix hit was checked against the last reset (LocalCacheGuard)
     saved_full: int = 0  # full blocks already planned for saving
     tail_saved: bool = False
     local: int = 0  # block-aligned tokens the engine already had
@@ -111,8 +117,10 @@ class SchedulerSide:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
         cfg = load_engine_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.ns = namespace_for(vllm_config, kv_cache_config, cfg)
-        # A hybrid model: one slot holds one group's block
-        layouts = group_layouts(kv_cache_config) if len(kv_cache_config.kv_cache_groups) > 1 else None
+        # Any group other than one of full attention (a hybrid model, or a model whose only group is
+        # a sliding window or an SSM): one slot holds one group's block, and every group goes
+        # through its kind's checks (no null blocks saved, a window's reach on loads)
+        layouts = grouped_layouts(kv_cache_config)
         self.block_size = layouts[0].block_size if layouts else vllm_config.cache_config.block_size
         plan = slot_plan(vllm_config, kv_cache_config, layouts)
         path = new_arena_path()
@@ -131,6 +139,8 @@ class SchedulerSide:
         self._inflight: dict[int, _InFlight] = {}  # op id -> what settles when every rank reports it
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
         self._next_op = 1
+        self._adapters = AdapterVersions()  # LoRA adapters by content, as this engine loaded them
+        self._guard = LocalCacheGuard()  # vLLM's own cached blocks from before this instance's last reset
         self.stats = StatsCollector(self.store)
         self._hybrid = HybridPlans(self, layouts) if layouts else None
         self.role = make_role(vllm_config, cfg, self.store)  # P/D: producer, consumer or both
@@ -151,10 +161,9 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:
-            if request.prompt_token_ids is None:  # prompt embeddings: no tokens to key on
-                return 0, False
-            st = self._reqs[request.request_id] = _Pending(
-                request, np.asarray(request.prompt_token_ids, dtype=np.uint32), request_extra(request))
+            st = self._reqs[request.request_id] = self._pending(request)
+        if not st.served:
+            return 0, False
         if self._hybrid is not None:
             return self._hybrid.match(st, num_computed_tokens)
         with self._lock:
@@ -175,6 +184,29 @@ class SchedulerSide:
             return matched, False
         st.hit, st.slots = hit, slots
         return matched, False
+
+    def _pending(self, request: "Request") -> _Pending:
+        """A new request's state: its keys (``request_keys``), or none when they cannot be made
+        (its LoRA adapter changed under the engine): then it is neither served nor stored."""
+        keys = request_keys(request, self._adapters)
+        if keys is None:
+            return _Pending(request, np.zeros(0, np.uint32), NO_EXTRA, served=False, saves=False)
+        return _Pending(request, keys.tokens, keys.extra, keys.adapter)
+
+    def may_save(self, st: _Pending, req_id: str) -> bool:
+        """Whether the blocks of ``st`` may be stored now: not if its KV may be of other weights
+        than this instance's (its local prefix hit came from before this instance's last reset,
+        or it was running at that reset) or its LoRA adapter's files changed since it was keyed."""
+        if not st.saves:
+            return False
+        if not st.checked and self.kv_cache_manager is not None:
+            st.checked = True
+            if not self._guard.fresh(self.kv_cache_manager, req_id, st.local, self.block_size):
+                st.saves = False
+                return False
+        if st.adapter is not None and not adapter_unchanged(st.request, self._adapters, st.adapter):
+            st.saves = False
+        return st.saves
 
     def _resident(self, st: _Pending, hit: Hit, num_computed_tokens: int) -> tuple[int | None, list[int]]:
         """Tokens of the pinned ``hit`` beyond ``num_computed_tokens`` that are in L1 now (staging
@@ -284,8 +316,9 @@ class SchedulerSide:
             if st is not None:
                 self.role.planning(st, self.block_size)
             if st is not None and self._hybrid is not None:
-                self._hybrid.plan_saves(req_id, st, n, scheduler_output)
-            elif st is not None:
+                if self.may_save(st, req_id):
+                    self._hybrid.plan_saves(req_id, st, n, scheduler_output)
+            elif st is not None and self.may_save(st, req_id):
                 self._plan_saves(req_id, st, n)
         meta = StrataMetadata(self.arena, self._loads, self._saves, self.role.take_sent())
         self._loads, self._saves = [], []
@@ -317,7 +350,7 @@ class SchedulerSide:
         if tail:
             n_prompt_full = prompt_len // bs
             last = self.store.tail_block(self.ns, epoch, chain.keys[n_prompt_full - 1] if n_prompt_full else None,
-                                         tokens[n_prompt_full * bs : prompt_len], st.extra)
+                                         tokens[n_prompt_full * bs : prompt_len], st.extra, start=n_prompt_full * bs)
             todo = BlockChain(*(a + b for a, b in zip(todo, last)))
             where.append(n_prompt_full)
         st.saved_full, st.tail_saved = max(st.saved_full, full), st.tail_saved or tail
@@ -386,8 +419,17 @@ class SchedulerSide:
 
     # -- control and stats
     def reset_cache(self) -> bool:
-        """False when the new epoch could not be written to the shared tier (the store has
-        logged and counted it; this instance serves nothing of the namespace until it is)."""
+        """vLLM's reset after a weight update (``reset_prefix_cache(reset_connector=True)``). False
+        when the new epoch could not be written to the shared tier (the store has logged and
+        counted it; this instance serves nothing of the namespace until it is).
+
+        What this instance computed before it may be of the old weights, so none of it is stored
+        afterwards: not the rest of the requests running now, and not what vLLM's own prefix cache
+        still serves from before (its reset fails while requests hold blocks:
+        ``resets.LocalCacheGuard``)."""
+        for st in self._reqs.values():
+            st.saves = False
+        self._guard.reset(self.kv_cache_manager)
         return self.store.invalidate(self.ns.seed) is not None  # the store logs it either way
 
     def get_kv_connector_stats(self) -> StrataStats | None:

@@ -49,6 +49,10 @@ def slot_plan(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     par = vllm_config.parallel_config
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     shared = latent_shared(vllm_config, kv_cache_config)
+    if layouts and pp > 1:
+        raise ConfigError("kvstrata: pipeline parallelism is supported for models whose one KV cache group is full "
+                          f"attention, not for {len(layouts)} group(s) of kinds "
+                          f"{', '.join(g.kind for g in layouts)}")
     stage_bytes = pipeline_stage_bytes(vllm_config, kv_cache_config, first) if pp > 1 else ()
     rank_bytes = sum(stage_bytes) or first
     ranks = tp * pp

@@ -31,7 +31,8 @@ from ..config import StrataConfig
 from ..describe import MAX_BYTES as DESCRIPTOR_MAX, encode as encode_descriptor
 from ..epochs import EpochStore
 from ..index import BlockIndex
-from ..keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, chain_keys, group_root, root_key, rooted_digests
+from ..keys import NO_EXTRA, BlockChain, Extra, Namespace, as_tokens, block_key, chain_keys, extra_at, group_root, root_key, \
+    rooted_digests
 from ..metrics import Counters, TierListener
 from ..tiers import BlockTier, DiskTier, MemoryTier
 from ..tiers.arena import attach_shared_arena, remove_dead_arenas
@@ -129,17 +130,18 @@ class BlockStore:
         return self._parts.recovery
 
     # ------------------------------------------------------------------ keys
-    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,
+    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
               *, partial: bool = True) -> tuple[int, BlockChain]:
         """Current epoch and the chained keys of ``tokens`` (full blocks, then the partial tail)."""
         return self._lookups.chain(ns, tokens, extra, partial=partial)
 
     def tail_block(self, ns: Namespace, epoch: int, parent: bytes | None, tokens: Sequence[int] | np.ndarray,
-                   extra: bytes = NO_EXTRA) -> BlockChain:
-        """The chain of one partial block: ``tokens`` (fewer than a block) after the block
-        ``parent`` (None: at the start of the prompt, under the root of ``epoch``)."""
+                   extra: Extra = NO_EXTRA, *, start: int = 0) -> BlockChain:
+        """The chain of one partial block: ``tokens`` (fewer than a block, from token ``start`` of
+        the prompt) after the block ``parent`` (None: at the start of the prompt, under the root of
+        ``epoch``)."""
         parent = root_key(ns.seed, epoch) if parent is None else parent
-        key, fp = block_key(parent, as_tokens(tokens), extra)
+        key, fp = block_key(parent, as_tokens(tokens), extra_at(extra, start, start + len(tokens)))
         return BlockChain([key], [parent], [fp], [len(tokens)])
 
     def page_chain(self, ns: Namespace, epoch: int, digests: Sequence[bytes]) -> BlockChain:
@@ -153,7 +155,7 @@ class BlockStore:
         return self._parts.epochs.get(ns.seed)
 
     def group_chain(self, ns: Namespace, epoch: int, tag: bytes, tokens: Sequence[int] | np.ndarray,
-                    extra: bytes = NO_EXTRA) -> BlockChain:
+                    extra: Extra = NO_EXTRA) -> BlockChain:
         """The full-block keys of ``tokens`` on one KV-cache group's chain of a hybrid model
         (``keys.group_root``: under ``epoch``'s root and the group's ``tag``), as ``lookup_groups``
         finds them."""
@@ -161,7 +163,7 @@ class BlockStore:
                           partial=False)
 
     # ---------------------------------------------------------------- lookup
-    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,
+    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
                *, pin: bool = False) -> Hit:
         """The longest valid stored prefix of ``tokens``, possibly ending in a stored partial
         block. With ``pin`` (vLLM's ``prepare_load``) the hit's blocks are pinned until
@@ -181,7 +183,7 @@ class BlockStore:
         self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
         return hit
 
-    def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes,
+    def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra,
                       rules: Sequence[GroupRule], *, lo: int, hi: int, pin: bool) -> GroupHit:
         """For a hybrid model's KV-cache groups (one ``GroupRule`` each, keyed under
         ``keys.group_root``): the largest block boundary N, ``lo < N <= hi``, at which every group

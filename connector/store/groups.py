@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple, Sequence
 import numpy as np
 
 from ..index import EntryMeta
-from ..keys import BlockChain, Namespace, as_tokens, chain_keys, group_root, root_key
+from ..keys import BlockChain, Extra, Namespace, as_tokens, chain_keys, group_root, root_key
 from ..tiers import BlockTier
 from .lookup import chain_slice
 from .parts import Parts
@@ -102,7 +102,7 @@ class GroupLookup:
     def __init__(self, parts: Parts) -> None:
         self.p = parts
 
-    def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes,
+    def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra,
                       rules: Sequence[GroupRule], *, lo: int, hi: int, pin: bool) -> GroupHit:
         since = time.monotonic()  # before anything else: the epoch must be confirmed since then
         if not rules:

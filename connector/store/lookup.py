@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..keys import NO_EXTRA, BlockChain, Namespace, as_tokens, block_key, chain_keys, root_key
+from ..keys import NO_EXTRA, BlockChain, Extra, Namespace, as_tokens, block_key, chain_keys, extra_at, root_key
 from .parts import Parts
 from .protocol import Hit
 
@@ -27,13 +27,13 @@ class Lookup:
     def __init__(self, parts: Parts) -> None:
         self.p = parts
 
-    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,
+    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
               *, partial: bool = True) -> tuple[int, BlockChain]:
         """Current epoch and the chained keys of ``tokens`` (full blocks, then the partial tail)."""
         epoch = self.p.epochs.get(ns.seed)
         return epoch, chain_keys(root_key(ns.seed, epoch), as_tokens(tokens), ns.block_size, extra, partial=partial)
 
-    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = NO_EXTRA,
+    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
                *, pin: bool = False) -> Hit:
         since = time.monotonic()  # before anything else: the epoch must be confirmed since then
         tokens = as_tokens(tokens)
@@ -55,7 +55,7 @@ class Lookup:
         n += self._match(ns.seed, epoch, chain, n)  # blocks another process stored, by header
         hit = chain if n == len(chain.keys) else chain_slice(chain, 0, n)
         if n < len(chain.keys):
-            tail = self._match_tail(ns, epoch, chain.parents[n], tokens[n * ns.block_size :], extra)
+            tail = self._match_tail(ns, epoch, chain.parents[n], tokens, n * ns.block_size, extra)
             if tail is not None:
                 hit = BlockChain(*(a + b for a, b in zip(hit, tail)))
         return self._hit(ns, epoch, hit, pin)
@@ -141,16 +141,18 @@ class Lookup:
                     return meta.size
         return 0
 
-    def _match_tail(self, ns: Namespace, epoch: int, parent: bytes, rest: np.ndarray,
-                    extra: bytes) -> BlockChain | None:
-        """A stored partial block after ``parent`` whose tokens begin ``rest``, longest first."""
+    def _match_tail(self, ns: Namespace, epoch: int, parent: bytes, tokens: np.ndarray, start: int,
+                    extra: Extra) -> BlockChain | None:
+        """A stored partial block after ``parent`` (at token ``start``) whose tokens begin
+        ``tokens[start:]``, longest first."""
+        rest = tokens[start:]
         lengths = set(self.p.index.tail_lengths(parent))
         for tier in self.p.backing:
             lengths.update(tier.tail_lengths(parent))
         for ntok in sorted(lengths, reverse=True):
             if ntok >= ns.block_size or ntok > len(rest):
                 continue
-            key, fp = block_key(parent, rest[:ntok], extra)
+            key, fp = block_key(parent, rest[:ntok], extra_at(extra, start, start + ntok))
             one = BlockChain([key], [parent], [fp], [ntok])
             if self._match(ns.seed, epoch, one, 0):
                 return one

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from ..index import EntryMeta
-from ..keys import BlockChain, Namespace
+from ..index import EntryMeta, Lease
+from ..keys import BlockChain, Extra, Namespace
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,7 @@ class Hit(NamedTuple):
     epoch: int  # the epoch of the blocks; 0 (no epoch) for a miss the epoch store could not vouch for
     chain: BlockChain
     tiers: list[int]  # tier bit set per block, at lookup time
-    lease: int | None  # the pin of a pinned lookup, given back by ``complete_load``
+    lease: Lease | None  # the pin of a pinned lookup (its owner token), given back by ``complete_load``
 
     @property
     def num_blocks(self) -> int:
@@ -135,19 +135,19 @@ class StoreProtocol(Protocol):
     @property
     def tier_bits(self) -> dict[str, int]: ...
 
-    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = ...,
+    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = ...,
               *, partial: bool = True) -> tuple[int, BlockChain]: ...
     def tail_block(self, ns: Namespace, epoch: int, parent: bytes | None, tokens: Sequence[int] | np.ndarray,
-                   extra: bytes = ...) -> BlockChain: ...
+                   extra: Extra = ..., *, start: int = 0) -> BlockChain: ...
     def page_chain(self, ns: Namespace, epoch: int, digests: Sequence[bytes]) -> BlockChain: ...
     def current_epoch(self, ns: Namespace) -> int: ...
     def group_chain(self, ns: Namespace, epoch: int, tag: bytes, tokens: Sequence[int] | np.ndarray,
-                    extra: bytes = ...) -> BlockChain: ...
+                    extra: Extra = ...) -> BlockChain: ...
 
-    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes = ...,
+    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = ...,
                *, pin: bool = False) -> Hit: ...
     def lookup_chain(self, ns: Namespace, epoch: int, chain: BlockChain, *, pin: bool = False) -> Hit: ...
-    def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: bytes,
+    def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra,
                       rules: Sequence[GroupRule], *, lo: int, hi: int, pin: bool) -> GroupHit: ...
     def complete_load(self, hit: Hit) -> None: ...
     def stored_mask(self, ns: Namespace, epoch: int, chain: BlockChain) -> np.ndarray: ...
