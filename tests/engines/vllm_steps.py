@@ -12,14 +12,17 @@ worker processes), "tp": int (tensor-parallel ranks, one worker process each), "
 "pp": int (pipeline-parallel stages, default 1), "compilation": dict|null (vLLM's
 compilation_config, with enforce_eager off; null: --enforce-eager), "lora": bool (LoRA on: rank 8, two
 adapters at once), "prompt_embeds": bool (vLLM's enable_prompt_embeds), "hf_overrides": dict|null,
-"quantization": str|null, "max_model_len": int (default 4096)}.
+"quantization": str|null, "max_model_len": int (default 4096), "limit_mm_per_prompt": dict|null (vLLM's,
+e.g. {"image": 1}, for a vision-language model)}.
 
 Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null, "logprobs": k|null} ->
 {"tokens", "cached", "ms"} (and "top": the k highest logprobs of each generated token); {"op": "generate", "prompts": [[ids], ...]} -> {"tokens": [[...]], "cached":
 [...]} (one batched call: the prompts share engine steps); a generate step may also carry "lora": [name, int id,
 path] (a LoRARequest) and "embeds": {"at": [lo, hi], "seed": s} (a mixed prompt: the ids, with rows lo..hi-1
 given as embeddings drawn from seed s, vLLM's ``prompt_is_token_ids`` form; "seed" null gives the token
-embeddings of the ids themselves); {"op": "reload_weights", "seed": s, "scale": x} -> {"ok"}: every weight
+embeddings of the ids themselves) or "images": [s, ...] (a vision-language model's prompt: the ids hold its
+image token where each image goes, and image i is 64x64 RGB noise drawn from seed s);
+{"op": "reload_weights", "seed": s, "scale": x} -> {"ok"}: every weight
 of the model folder multiplied by ``1 + x * N(0, 1)`` (drawn from seed s) and loaded into the running engine
 in memory (``collective_rpc("reload_weights")``, in-process EngineCore), the model folder untouched; {"op": "reset", "connector": bool} ->
 {"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
@@ -91,24 +94,52 @@ def _options(spec: dict) -> dict:
         out["hf_overrides"] = spec["hf_overrides"]
     if spec.get("quantization"):
         out["quantization"] = spec["quantization"]
+    if spec.get("limit_mm_per_prompt"):
+        out["limit_mm_per_prompt"] = spec["limit_mm_per_prompt"]
     return out
 
 
-def _prompt(llm, op: dict) -> dict:
-    """The prompt of a generate step: token ids, or a mixed ids + embeddings prompt (``embeds``)."""
+def _prompt(op: dict, spec: dict) -> dict:
+    """The prompt of a generate step: token ids, a mixed ids + embeddings prompt (``embeds``), or
+    ids with images (``images``)."""
+    if "images" in op:
+        return {"prompt_token_ids": op["prompt"], "multi_modal_data": {"image": _images(op["images"])}}
     if "embeds" not in op:
         return {"prompt_token_ids": op["prompt"]}
     import torch
 
     lo, hi = op["embeds"]["at"]
-    table = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model \
-        .get_input_embeddings(torch.tensor(op["prompt"]))  # in-process EngineCore
-    rows = table.detach().clone()
+    rows = _embedding_table(spec["model"])[torch.tensor(op["prompt"])].clone()
     if op["embeds"].get("seed") is not None:
         gen = torch.Generator().manual_seed(op["embeds"]["seed"])
-        rows[lo:hi] = torch.randn(hi - lo, rows.shape[1], generator=gen, dtype=torch.float32).to(rows.dtype) * 0.05
+        rows[lo:hi] = (torch.randn(hi - lo, rows.shape[1], generator=gen) * rows.std()).to(rows.dtype)
     mask = [not lo <= i < hi for i in range(len(op["prompt"]))]
     return {"prompt_embeds": rows, "prompt_token_ids": list(op["prompt"]), "prompt_is_token_ids": mask}
+
+
+def _images(seeds: list[int]) -> list:
+    """One 64x64 RGB noise image (PIL) per seed."""
+    import numpy as np
+    from PIL import Image
+
+    return [Image.fromarray(np.random.default_rng(s).integers(0, 256, (64, 64, 3), dtype=np.uint8)) for s in seeds]
+
+
+_TABLES: dict = {}
+
+
+def _embedding_table(model: str):
+    """The model's input embedding table, read from its safetensors files."""
+    if model not in _TABLES:
+        import glob
+
+        from safetensors import safe_open
+
+        for path in glob.glob(os.path.join(model, "*.safetensors")):
+            with safe_open(path, "pt") as f:
+                if "model.embed_tokens.weight" in f.keys():
+                    _TABLES[model] = f.get_tensor("model.embed_tokens.weight")
+    return _TABLES[model]
 
 
 def _reload_weights(llm, spec: dict, seed: int, scale: float) -> None:
@@ -136,7 +167,7 @@ def step(llm, op: dict, spec: dict) -> dict:
             outs = llm.generate([{"prompt_token_ids": p} for p in op["prompts"]], params, use_tqdm=False)
             return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                     "cached": [o.num_cached_tokens for o in outs]}
-        prompt = _prompt(llm, op)
+        prompt = _prompt(op, spec)
         if op.get("salt"):
             prompt["cache_salt"] = op["salt"]
         if op.get("logprobs"):
