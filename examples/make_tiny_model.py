@@ -1,6 +1,6 @@
 """Build a small random-weight model folder for tests and benchmarks, with no network.
 
-Usage: python examples/make_tiny_model.py OUT_DIR [--preset tiny|small|hybrid-swa|hybrid-ssm|mla]
+Usage: python examples/make_tiny_model.py OUT_DIR [--preset tiny|small|hybrid-swa|hybrid-ssm|mla|swa|vlm]
 
 Trains a byte-level BPE tokenizer on deterministically generated text, wraps it in a
 PreTrainedTokenizerFast with a chat template, builds a model with random weights (bf16, or the
@@ -21,12 +21,15 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                          LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Idefics3ForConditionalGeneration,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 log = logging.getLogger("build_model")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]  # Idefics3's
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -43,6 +46,9 @@ class Preset:
     tokenizer_vocab: int
     shape: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.bfloat16
+    # An Idefics3 vision tower's shape (Idefics3VisionConfig): the model is then a vision-language
+    # model (model_cls) around the text model config_cls describes, saved with its processor.
+    vision: dict | None = None
 
 
 PRESETS = {
@@ -75,6 +81,19 @@ PRESETS = {
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
         n_group=1, topk_group=1, torch_dtype="float32"), torch.float32),
+    # Idefics3 (vision-language): the tiny Llama behind a 2-layer SigLIP-style vision tower, one
+    # 64x64 tile per image (64 patches of 4x4 pixels x 4 = 64 <image> tokens after pixel shuffle).
+    # Idefics3 because vLLM's CPU build serves it without torchvision (a CUDA build is all PyPI has
+    # for this torch): its processor has a PIL image backend, and vLLM's llava, qwen2_vl, gemma3_mm
+    # modules import transformers' torchvision image processors. fp32, as hybrid-swa.
+    "vlm": Preset(LlamaConfig, Idefics3ForConditionalGeneration, 3072, dict(TINY, torch_dtype="float32"),
+                  torch.float32, vision=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=2, image_size=64, patch_size=4)),
+    # Mistral with a sliding window of 64 tokens on every layer and no layer_types: vLLM gives it a
+    # single KV cache group, a SlidingWindowSpec, and puts its null block before the window on a
+    # prefix hit. fp32, as hybrid-swa.
+    "swa": Preset(MistralConfig, MistralForCausalLM, 3072, dict(TINY, sliding_window=64, torch_dtype="float32"),
+                  torch.float32),
 }
 REQUIRED_FILES = ("config.json", "tokenizer.json", "model.safetensors")
 
@@ -91,12 +110,12 @@ def corpus(n_lines=20000, seed=1234):
         yield line.capitalize()
 
 
-def build_tokenizer(vocab_size):
+def build_tokenizer(vocab_size, extra_special=()):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + list(extra_special), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(
@@ -106,12 +125,15 @@ def build_tokenizer(vocab_size):
 
 def build(out_dir, preset):
     spec = PRESETS[preset]
-    tokenizer = build_tokenizer(spec.tokenizer_vocab)
+    tokenizer = build_tokenizer(spec.tokenizer_vocab, IMAGE_TOKENS if spec.vision else ())
     vocab = spec.shape.get("vocab_size") or -(-len(tokenizer) // 128) * 128
     config = spec.config_cls(**{**SHAPE, **spec.shape, "vocab_size": vocab},
                              bos_token_id=tokenizer.bos_token_id,
                              eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
+    processor = tokenizer
+    if spec.vision is not None:
+        config, processor = vision_language(config, tokenizer, spec.vision)
     torch.manual_seed(0)
     model = spec.model_cls(config).to(spec.dtype).eval()
     n_params = sum(p.numel() for p in model.parameters())
@@ -119,9 +141,27 @@ def build(out_dir, preset):
              preset, n_params, len(tokenizer), vocab)
     tmp_dir = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    tokenizer.save_pretrained(tmp_dir)
+    processor.save_pretrained(tmp_dir)
     model.save_pretrained(tmp_dir)
     os.replace(tmp_dir, out_dir)
+
+
+def vision_language(text, tokenizer, vision):
+    """Idefics3 around the text config ``text``: the vision tower ``vision``, a pixel-shuffle
+    connector (scale 2) and the processor (PIL image backend, no image splitting: one tile of
+    ``image_size`` pixels per image, whatever its size)."""
+    from transformers import Idefics3Config, Idefics3Processor, Idefics3VisionConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    scale, side = 2, vision["image_size"]
+    config = Idefics3Config(vision_config=Idefics3VisionConfig(**vision), text_config=text, scale_factor=scale,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            pad_token_id=tokenizer.pad_token_id, torch_dtype=text.dtype)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": side}, max_image_size={"longest_edge": side},
+                                       do_image_splitting=False)
+    seq_len = (side // vision["patch_size"]) ** 2 // scale**2
+    return config, Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=seq_len,
+                                     chat_template=CHAT_TEMPLATE)
 
 
 def is_complete(out_dir):

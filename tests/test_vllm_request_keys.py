@@ -88,6 +88,28 @@ def test_multimodal_blocks_are_keyed_on_the_items_that_overlap_them_and_a_shared
     assert keys_of(request(mm=[("cat", 40, 32)])) == k_cat
 
 
+def test_each_block_is_keyed_on_the_images_that_overlap_it_alone():
+    """Several images, one across block boundaries (tokens 20..49: blocks 1-3) and one inside
+    block 4: a block's own digest changes with the images that overlap it and with no other; the
+    chained keys share everything before the first image that differs; an image at the very first
+    token leaves no block shared with the plain prompt."""
+    cat_sun, dog_sun = request(mm=[("cat", 20, 30), ("sun", 70, 10)]), request(mm=[("dog", 20, 30), ("sun", 70, 10)])
+    cat_moon = request(mm=[("cat", 20, 30), ("moon", 70, 10)])
+    own = {r: request_keys(r, AdapterVersions()).extra for r in (cat_sun, dog_sun, cat_moon)}
+    for lo in range(0, 6 * BS, BS):
+        overlaps_cat, overlaps_sun = lo < 50 and lo + BS > 20, lo < 80 and lo + BS > 70
+        assert (own[cat_sun].digest(lo, lo + BS) != own[dog_sun].digest(lo, lo + BS)) == overlaps_cat, lo
+        assert (own[cat_sun].digest(lo, lo + BS) != own[cat_moon].digest(lo, lo + BS)) == overlaps_sun, lo
+    k_cat_sun, k_cat_moon, plain = keys_of(cat_sun), keys_of(cat_moon), keys_of(request())
+    assert k_cat_sun[:4] == k_cat_moon[:4] and all(a != b for a, b in zip(k_cat_sun[4:], k_cat_moon[4:]))
+    assert k_cat_sun[0] == plain[0] and all(a != b for a, b in zip(k_cat_sun[1:], plain[1:]))
+    assert_never_smaller(cat_sun, dog_sun)
+    assert_never_smaller(cat_sun, cat_moon)
+    first = request(mm=[("cat", 0, 20)])
+    assert all(a != b for a, b in zip(keys_of(first), plain))
+    assert_never_smaller(first, request(mm=[("dog", 0, 20)]))
+
+
 def embeds_request(seed: int | None, rid: str = "e") -> Request:
     """A mixed prompt: token ids with rows 32..63 given as embeddings (vLLM's prompt_is_token_ids
     form); ``seed`` None: the rows are zeros."""
