@@ -5,7 +5,7 @@ The core never imports an engine; engine glue lives in ``kvstrata.adapters``.
 
 from .config import ConfigError, StrataConfig, load_config
 from .index import BlockIndex, EntryMeta
-from .keys import FORMAT_VERSION, BlockChain, Namespace, chain_keys, extra_digest, root_key
+from .keys import FORMAT_VERSION, BlockChain, KeyScheme, Namespace, chain_keys, extra_digest, key_scheme, root_key
 from .store import BlockStore, Hit
 
 __version__ = "0.1.0"
@@ -18,10 +18,12 @@ __all__ = [
     "ConfigError",
     "EntryMeta",
     "Hit",
+    "KeyScheme",
     "Namespace",
     "StrataConfig",
     "chain_keys",
     "extra_digest",
+    "key_scheme",
     "load_config",
     "root_key",
 ]

@@ -133,11 +133,18 @@ def invalidate(args: argparse.Namespace) -> int:
             print("no namespaces stored: nothing to invalidate")
         failed = []
         for ns_id, (seed, ns) in wanted.items():
-            epoch = store.invalidate(seed)
+            joins = store.counters.get("epoch_joins")
+            epoch = store.reset(seed) if args.weights else store.invalidate(seed)
             if epoch is None:
                 failed.append(ns_id)
                 print(f"{ns_id}: NOT invalidated: the new epoch could not be written where the engines read "
                       "it (the shared tier, or the epochs folder; the log line above says why)", file=sys.stderr)
+            elif store.counters.get("epoch_joins") > joins:  # an engine's reset came first: it is the new one
+                print(f"{ns_id}: new epoch {epoch:016x}, made by an engine's reset at the same moment (new weights: "
+                      "each engine serves none of it until it resets itself)")
+            elif args.weights:
+                print(f"{ns_id}: new epoch {epoch:016x} (new weights: each engine serves none of it until it resets "
+                      "itself)")
             else:
                 print(f"{ns_id}: new epoch {epoch:016x}")
             if ns is not None:
@@ -290,7 +297,14 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     chk = with_config(add(sub, "check", "verify every block on the disk tier (exit 1 if any is bad)"))
     chk.add_argument("--fix", action="store_true", help="delete bad blocks and leftovers")
     chk.add_argument("--json", action="store_true", help=JSON_HELP)
-    inv = with_config(add(sub, "invalidate", "stop serving a model's stored KV (e.g. after a weight update)"))
+    inv = with_config(add(sub, "invalidate", "stop serving a model's stored KV (--weights: after a weight update)"))
+    inv.epilog = ("Without --weights the engines go on at once under the new epoch: no weights changed, so what "
+                  "they store is good for all. With --weights (the weights were changed, e.g. updated in memory "
+                  "in place) every running engine serves and saves nothing of the namespace until it resets itself "
+                  "(vLLM: reset_prefix_cache(reset_connector=True)), so that an engine still holding the old weights "
+                  "never stores KV under the new epoch. An engine started afterwards joins it at once.")
+    inv.add_argument("--weights", action="store_true",
+                     help="the weights changed: every engine must reset itself to serve this namespace again")
     inv.add_argument("--model", action="append", metavar="NAME_OR_PATH",
                      help="every namespace of this model, as the engine was given it (repeatable)")
     inv.add_argument("--namespace", action="append", metavar="ID", help="one namespace, by its id in "

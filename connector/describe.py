@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import asdict, fields
 
-from .keys import Namespace
+from .keys import LEGACY_KEY_SCHEME, SCHEMES, Namespace
 
 MAX_BYTES = 16 * 1024  # a namespace's fields are well under 1 KiB; a model path is at most 4 KiB
 SUFFIX = ".json"  # a descriptor file is the epoch file's name plus this
@@ -29,7 +29,7 @@ _VERSION = 1
 # The JSON type of each Namespace field: decoding checks these before building a Namespace.
 _TYPES: dict[str, type] = {"engine": str, "model": str, "model_version": str, "kv_dtype": str, "layout": str,
                            "block_size": int, "rank": int, "world_size": int, "tenant": str,
-                           "format_version": int, "extra": dict}
+                           "format_version": int, "extra": dict, "key_scheme": str}
 assert set(_TYPES) == {f.name for f in fields(Namespace)}, "describe._TYPES must list every Namespace field"
 
 
@@ -52,6 +52,8 @@ def decode(raw: object, seed: bytes) -> Namespace | None:
     if not isinstance(data, dict) or data.get("kvstrata_namespace") != _VERSION:
         return None
     values = data.get("namespace")
+    if isinstance(values, dict) and "key_scheme" not in values:  # described before key schemes: xxh3
+        values["key_scheme"] = LEGACY_KEY_SCHEME
     if not isinstance(values, dict) or set(values) != set(_TYPES):
         return None
     for name, kind in _TYPES.items():
@@ -59,6 +61,8 @@ def decode(raw: object, seed: bytes) -> Namespace | None:
         if not isinstance(value, kind) or isinstance(value, bool):  # bool is an int to isinstance
             return None
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in values["extra"].items()):
+        return None
+    if values["key_scheme"] not in SCHEMES:  # a later kvstrata's scheme, or garbage
         return None
     ns = Namespace(**values)
     return ns if ns.seed == seed else None

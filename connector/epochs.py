@@ -1,20 +1,25 @@
-"""epochs.py: namespace epochs (``EpochStore``: ``get``, ``lookup_epoch``, ``bump``;
-``MemoryEpochs``; ``PolledEpochs`` in ``polled_epochs.py``, the rules of epochs other processes
-change) and ``Retired``, the epochs seen replaced. Bumping an epoch hides every older entry of that
-namespace at once. Each store also keeps the namespaces' descriptors (``describe``, ``descriptor``;
-see ``describe.py``) beside the epochs.
+"""epochs.py: namespace epochs (``EpochStore``: ``get``, ``lookup_epoch``, ``bump``, ``reset``,
+``joined``; ``MemoryEpochs``; ``PolledEpochs`` in ``polled_epochs.py``, the rules of epochs other
+processes change) and ``Retired``, the epochs seen replaced. Bumping an epoch hides every older
+entry of that namespace at once. Each store also keeps the namespaces' descriptors (``describe``,
+``descriptor``; see ``describe.py``) beside the epochs.
 
 An epoch is a random non-zero 64-bit id, not a counter. The current epoch is part of block -1's
 key (see keys.root_key), so after a bump no key of an older epoch is ever computed again, and the
 index also rejects any entry whose epoch differs. Epochs are compared for equality only; they
 have no order.
 
+An epoch's high 32 bits are its *generation*, the weights its blocks were computed with (inside
+the id, every backend and MAC'd value carries it unchanged). A flush (``bump``) keeps it; an engine
+reset after a weight update (``reset``) starts a new one, which the other instances serve only
+once they have joined it (``joins``); an epoch made after state loss is of generation 0.
+
 Why random ids and not a counter: epoch state can be lost (an evicted or deleted Redis key, a Redis
 restart without persistence, ``FLUSHDB``, a deleted ``epochs/`` folder). A counter then restarts at
 0 and hands out values that already had blocks, which makes invalidated blocks valid again. A lost
 epoch is replaced by a fresh random one (created with an atomic create-if-absent, so every
-process sharing the state agrees on it): state loss costs hits, never correctness. A 64-bit random
-id recurs with probability 2^-64 per bump.
+process sharing the state agrees on it): state loss costs hits, never correctness. A new epoch
+repeats one of its generation (or a new generation an old one) with probability 2^-32 per bump.
 
 The remaining way back is a *restore* of old state (a backup of the epochs folder, a Redis snapshot
 taken before a bump). Every store therefore remembers the epochs it has seen replaced
@@ -39,6 +44,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 from .describe import MAX_BYTES as _MAX_DESCRIPTOR, SUFFIX as _DESCRIPTOR_SUFFIX
 
@@ -46,11 +52,23 @@ log = logging.getLogger(__name__)
 MAX_EPOCH = (1 << 64) - 1
 _MAX_EPOCH_TEXT = 64  # an epoch is at most 20 digits; whitespace around it is allowed
 _KEEP_RETIRED = 64  # epochs remembered per namespace; a restore older than that goes unseen
+_GENERATION_SHIFT = 32
 
 
-def new_epoch() -> int:
-    """A fresh random epoch id in [1, 2^64)."""
-    return int.from_bytes(os.urandom(8), "little") or 1
+def new_epoch(generation: int = 0) -> int:
+    """A fresh epoch of ``generation`` (0: made after state loss) with 32 random non-zero bits."""
+    assert 0 <= generation < 1 << _GENERATION_SHIFT, generation
+    return generation << _GENERATION_SHIFT | (int.from_bytes(os.urandom(4), "little") or 1)
+
+
+def new_generation() -> int:
+    """A fresh random non-zero generation (an engine reset: new weights)."""
+    return int.from_bytes(os.urandom(4), "little") or 1
+
+
+def generation(epoch: int) -> int:
+    """The generation of an epoch: its high 32 bits (0: made after the stored epoch was lost)."""
+    return epoch >> _GENERATION_SHIFT
 
 
 def parse_epoch(raw: object) -> int | None:
@@ -182,6 +200,13 @@ def write_descriptor(root: Path, ns_seed: bytes, blob: bytes, mode: int) -> None
         write_atomic(root / f"{ns_seed.hex()}{_DESCRIPTOR_SUFFIX}", blob.decode("ascii"), mode)
 
 
+class Reset(NamedTuple):
+    """What an engine reset did (``EpochStore.reset``)."""
+
+    epoch: int | None  # the epoch now joined; None: not written where the others read it (retried at every use)
+    joined: bool  # True: it joined the epoch of another instance's reset (nothing written); False: a new generation
+
+
 class EpochStore(ABC):
     """Current epoch per namespace. ``get`` never returns a retired epoch."""
 
@@ -199,10 +224,25 @@ class EpochStore(ABC):
 
     @abstractmethod
     def bump(self, ns_seed: bytes) -> int | None:
-        """Replace the epoch by a fresh one; returns it, or None when it could not be
-        written where the other processes read it. After a failed bump the namespace serves
-        nothing (``lookup_epoch`` says False) until the new epoch is written, which
-        is retried at every use."""
+        """A flush: replace the epoch by a fresh one of the same generation (every instance
+        adopts it); returns it, or None when it could not be written where the other processes
+        read it. After a failed bump the namespace serves nothing (``lookup_epoch`` says False)
+        until the new epoch is written, which is retried at every use."""
+
+    @abstractmethod
+    def reset(self, ns_seed: bytes) -> Reset:
+        """An engine reset after a weight update: join the current epoch if another instance's reset
+        made it after this one last joined (``joins``), else replace it by an epoch of a new
+        generation, which the others serve once they have reset too. Fails as ``bump``."""
+
+    def joined(self, ns_seed: bytes) -> bool:
+        """Whether this instance has joined the namespace's current epoch (False: it serves and saves
+        nothing of it until it resets itself). Stores only this process changes always have."""
+        return True
+
+    def not_joined(self) -> list[bytes]:
+        """The namespaces this instance has not joined."""
+        return []
 
     def known(self) -> list[bytes]:
         """Namespace seeds this store has an epoch for."""
@@ -238,8 +278,13 @@ class MemoryEpochs(EpochStore):
 
     def bump(self, ns_seed: bytes) -> int:
         with self._lock:
-            epoch = self._epochs[ns_seed] = new_epoch()
+            epoch = self._epochs[ns_seed] = new_epoch(generation(self._epochs.get(ns_seed, 0)))
             return epoch
+
+    def reset(self, ns_seed: bytes) -> Reset:
+        with self._lock:
+            epoch = self._epochs[ns_seed] = new_epoch(new_generation())
+            return Reset(epoch, False)
 
     def known(self) -> list[bytes]:
         with self._lock:

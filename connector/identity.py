@@ -37,7 +37,6 @@ import os
 import re
 import stat
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -45,8 +44,7 @@ from typing import NamedTuple
 
 import xxhash
 
-__all__ = ["AdapterVersions", "ModelIdentity", "model_identity", "resolve_model_version", "hub_cache_dir",
-           "cache_path"]
+__all__ = ["ModelIdentity", "model_identity", "resolve_model_version", "hub_cache_dir", "cache_path"]
 
 log = logging.getLogger(__name__)
 
@@ -123,55 +121,6 @@ def cache_path() -> Path:
     return Path(os.environ.get("KVSTRATA_CACHE_DIR") or "~/.cache/kvstrata").expanduser() / "identity.json"
 
 
-class AdapterVersions:
-    """Content versions of the adapters (LoRA) an engine serves, as the engine loaded them.
-
-    An adapter's name and integer id say nothing about its weights: a name can be re-pointed at
-    another folder, a folder overwritten in place, and a restarted engine numbers its adapters from
-    1 again. So an adapter is keyed by its files, fingerprinted as a model folder is
-    (``model_identity``: cached by file stat in ``identity.json``), once per (id, path) an engine
-    loads, and checked again (one ``stat`` per file) at every use. When the files change under a
-    running engine, what the engine holds is unknown (it keeps the adapter it loaded until it
-    evicts it, then reads the new files), so the adapter has no version in this process
-    (``version`` returns None: the caller serves and stores nothing for it) and a warning says so;
-    unless the caller says the engine re-reads the files at this use (vLLM's ``load_inplace``),
-    in which case the new files are fingerprinted.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seen: dict[tuple[int, str], tuple[str | None, tuple]] = {}  # (id, path) -> (version, stat)
-
-    def version(self, adapter_id: int, path: str, *, reloaded: bool = False) -> str | None:
-        """The version of the adapter ``adapter_id`` loaded from ``path``; None when this process
-        cannot know which files the engine holds (changed since it loaded them)."""
-        signature = _signature(path)
-        with self._lock:
-            seen = self._seen.get((adapter_id, path))
-        if seen is not None and seen[1] == signature and (seen[0] is not None or not reloaded):
-            return seen[0]
-        if seen is not None and not reloaded:
-            if seen[0] is not None:
-                log.warning("kvstrata: the files of adapter %d at %s changed after this engine loaded it; it gets no "
-                            "cache hits and stores nothing in this process (restart the engine, or load the new "
-                            "files under a new path or with load_inplace)", adapter_id, path)
-            with self._lock:
-                self._seen[(adapter_id, path)] = (None, signature)
-            return None
-        version = model_identity(path).version
-        with self._lock:
-            self._seen[(adapter_id, path)] = (version, signature)
-        return version
-
-
-def _signature(path: str) -> tuple:
-    """(name, size, mtime, inode) of every file of an adapter: what tells a rewrite apart."""
-    try:
-        return tuple((rel, st.st_size, st.st_mtime_ns, st.st_ino) for rel, _, st in _model_files(path))
-    except OSError:
-        return ()
-
-
 # ---------------------------------------------------------------------------- where the files are
 def _snapshot_commit(folder: str) -> str | None:
     """The commit when ``folder`` (or a file) is inside ``.../models--org--name/snapshots/<commit>/``."""
@@ -215,7 +164,7 @@ def _fingerprint(folder: str, commit: str | None) -> tuple[str, int, int]:
     cache = _load_cache()
     fresh: dict[str, list] = {}
     h = xxhash.xxh3_128(b"kvstrata-identity-1\0" + (commit or "").encode())
-    files = _model_files(folder)
+    files = model_files(folder)
     read = 0
     for rel, path, st in files:
         real = os.path.realpath(path)  # a hub snapshot links into blobs/: key the blob itself
@@ -233,7 +182,7 @@ def _fingerprint(folder: str, commit: str | None) -> tuple[str, int, int]:
     return h.hexdigest(), read, len(files)
 
 
-def _model_files(root: str) -> list[tuple[str, str, os.stat_result]]:
+def model_files(root: str) -> list[tuple[str, str, os.stat_result]]:
     """(relative name, path, stat) of every regular file, sorted; hidden names (.git, .cache) and
     symlinked folders (no cycles) are skipped, symlinked files are followed. A file is its own list."""
     if not os.path.isdir(root):

@@ -1,14 +1,29 @@
-"""keys.py: content addressing: ``Namespace`` (with its seed) and chained block keys
-(``root_key``, ``group_root``, ``chain_keys``, ``chain_digests``, ``block_key``), and the extra
-digest of what a block's KV depends on beyond its token ids (``extra_digest``, ``BlockInputs``).
+"""keys.py: content addressing: ``Namespace`` (with its seed), and, re-exported from the modules
+that hold them, the key schemes that chain block keys (``key_schemes``: ``KeyScheme`` with
+``root_key``, ``group_root``, ``chain_keys``, ``chain_digests``, ``rooted_digests``,
+``block_key``; the registry ``SCHEMES`` and ``key_scheme``) and the extra digest of what a block's
+KV depends on beyond its token ids (``block_inputs``: ``extra_digest``, ``BlockInputs``). The
+module functions ``root_key``, ``chain_keys``, ... are the xxh3 scheme's.
 
 A *namespace* names everything that makes KV bytes incompatible (engine, model and weights version,
-KV dtype and layout, parallel rank, storage format, tenant). Its seed, together with the namespace's
-current epoch, is the key of block -1. The key of block i is::
+KV dtype and layout, parallel rank, storage format, tenant, key scheme). Its seed, together with
+the namespace's current epoch, is the key of block -1. The key of block i is::
 
-    data_i = key_{i-1} || token ids of block i (one uint32-LE ``tobytes()``) || extra digest (16 B)
-    key_i  = xxh3_128(data_i)
-    fp_i   = xxh3_64(data_i, seed=FP_SEED)
+    data_i       = key_{i-1} || token ids of block i (one uint32-LE ``tobytes()``) || extra digest (16 B)
+    key_i, fp_i  = H(data_i)          (a 16-byte key and a 64-bit fingerprint)
+
+``H`` is the store's key scheme (``keys.hash`` in the config, ``SCHEMES``):
+
+- ``blake3`` (the default): one keyed BLAKE3 call per block with 24 bytes of output, the key its
+  first 16 and the fingerprint its last 8. The BLAKE3 key is derived from the deployment secret
+  (``remote.auth_key_file`` or ``$KVSTRATA_AUTH_KEY``, the one the shared tier's MAC uses, under
+  another context) where one is set, else from a public constant. Collision resistant: whoever
+  chooses prompts cannot search for two blocks with one key, as they can under xxh3 (vLLM moved
+  its own prefix hash to SHA-256 for this, CVE-2025-25183), and without the secret cannot even
+  compute a key. The index matches key and fingerprint together, 192 bits of one output.
+- ``xxh3``: ``key_i = xxh3_128(data_i)``, ``fp_i = xxh3_64(data_i, seed=FP_SEED)``: kvstrata's
+  keys before schemes existed (caches written then stay readable under ``keys.hash: xxh3``).
+  Fast, not collision resistant, never keyed.
 
 The extra digest carries every input of a request that changes the KV and is not in its token ids
 (cache salt, LoRA adapter, multimodal items, prompt embeddings). Request-wide inputs give one digest
@@ -23,8 +38,13 @@ because ``key_{i-1}`` already covers the whole prefix, a matching fingerprint co
 prefix, not only the block. The extra digest is always 16 bytes, so the byte length of ``data_i``
 encodes the token count and a partial block is a different key from any full block.
 
+The namespace seed is the scheme's *unkeyed* hash of the namespace's canonical JSON (its public
+name: file names, ``kvstrata stats``, descriptors any CLI checks); the secret enters at block -1,
+so every key below it is keyed. The scheme's name is a field of the namespace, so two schemes never
+share a namespace (``xxh3`` namespaces leave it out of the JSON and keep their old seeds).
+
 Nothing here depends on PYTHONHASHSEED or any random state: keys are identical across processes and
-machines (tests pin golden vectors).
+machines that hold the same secret (tests pin golden vectors).
 """
 
 from __future__ import annotations
@@ -32,18 +52,19 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import NamedTuple, Protocol, Sequence, Union
 
-import numpy as np
-import xxhash
+from .block_inputs import NO_EXTRA, TOKEN_DTYPE, BlockChain, BlockInputs, Extra, as_tokens, digest16, extra_at, \
+    extra_digest
+from .key_schemes import FP_SEED, SCHEMES, Blake3Keys, KeyScheme, Xxh3Keys, key_scheme
+
+__all__ = ["DEFAULT_KEY_SCHEME", "FORMAT_VERSION", "FP_SEED", "LEGACY_KEY_SCHEME", "NO_EXTRA", "SCHEMES", "TOKEN_DTYPE",
+           "XXH3", "Blake3Keys", "BlockChain", "BlockInputs", "Extra", "KeyScheme", "Namespace", "Xxh3Keys",
+           "as_tokens", "block_key", "digest16", "chain_digests", "chain_keys", "extra_at", "extra_digest", "group_root",
+           "key_scheme", "root_key", "rooted_digests"]
 
 FORMAT_VERSION = 1
-FP_SEED = 0x6B7673747261  # "kvstra": seeds the independent fingerprint
-TOKEN_DTYPE = np.dtype("<u4")
-NO_EXTRA = xxhash.xxh3_128_digest(b"")
-
-_h128 = xxhash.xxh3_128_digest
-_h64 = xxhash.xxh3_64_intdigest
+DEFAULT_KEY_SCHEME = "blake3"
+LEGACY_KEY_SCHEME = "xxh3"  # the keys before schemes: its namespaces keep their seeds
 
 
 @dataclass(frozen=True)
@@ -61,15 +82,24 @@ class Namespace:
     tenant: str = ""
     format_version: int = FORMAT_VERSION
     extra: dict[str, str] = field(default_factory=dict)  # engine-specific identity (e.g. PP rank)
+    key_scheme: str = DEFAULT_KEY_SCHEME  # ``SCHEMES``: a store keys every namespace by its own (``BlockStore``)
+
+    def __post_init__(self) -> None:
+        if self.key_scheme not in SCHEMES:
+            raise ValueError(f"key scheme {self.key_scheme!r} is not one of {sorted(SCHEMES)}")
 
     def __hash__(self) -> int:
         return hash(self.seed)
 
     @cached_property
     def seed(self) -> bytes:
-        """16-byte namespace fingerprint: xxh3-128 of the canonical JSON of all fields."""
-        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-        return _h128(blob)
+        """16-byte namespace fingerprint: the key scheme's unkeyed hash of the canonical JSON of
+        all fields (``xxh3``: all but ``key_scheme``, the JSON of namespaces before schemes)."""
+        fields = asdict(self)
+        if self.key_scheme == LEGACY_KEY_SCHEME:
+            del fields["key_scheme"]
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        return SCHEMES[self.key_scheme].namespace_seed(blob)
 
     @property
     def id(self) -> str:
@@ -77,133 +107,12 @@ class Namespace:
         return self.seed[:8].hex()
 
 
-def root_key(ns_seed: bytes, epoch: int) -> bytes:
-    """Key of block -1: the namespace seed combined with the namespace's epoch."""
-    return _h128(ns_seed + epoch.to_bytes(8, "little"))
-
-
-def group_root(root: bytes, tag: bytes) -> bytes:
-    """Key of block -1 of one KV-cache group of a hybrid model: ``xxh3_128(root || tag)``.
-
-    Every group (full attention, sliding window, SSM state) keeps its own chain under the one
-    namespace and epoch (``root`` is ``root_key(seed, epoch)``), so a single ``invalidate`` or epoch
-    confirmation covers all groups at once; the tag only separates their keys."""
-    return _h128(root + tag)
-
-
-def extra_digest(extra_keys: Sequence[object] | None) -> bytes:
-    """16-byte digest of per-request extra keys (LoRA id, multimodal hashes, cache salt)."""
-    if not extra_keys:
-        return NO_EXTRA
-    return _h128(json.dumps([str(k) for k in extra_keys], separators=(",", ":")).encode())
-
-
-class BlockInputs(Protocol):
-    """The inputs a request's blocks depend on beyond their token ids, block by block."""
-
-    def digest(self, start: int, end: int) -> bytes:
-        """The 16-byte extra digest of the block of tokens ``[start, end)`` (a full block or a
-        partial tail): the same range of the same request always gives the same digest."""
-
-
-Extra = Union[bytes, BlockInputs]  # one digest for every block, or one per block
-
-
-def extra_at(extra: Extra, start: int, end: int) -> bytes:
-    """The extra digest of the block of tokens ``[start, end)``."""
-    return extra if isinstance(extra, bytes) else extra.digest(start, end)
-
-
-def as_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a contiguous uint32-LE array (no copy when already so)."""
-    return np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE)
-
-
-class BlockChain(NamedTuple):
-    """Keys of consecutive blocks; ``parents[i]`` is the key before ``keys[i]``."""
-
-    keys: list[bytes]
-    parents: list[bytes]
-    fps: list[int]
-    lengths: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
-    def pick(self, idx: Sequence[int]) -> "BlockChain":
-        """The blocks ``idx`` (any order, gaps allowed): the index checks each block against its
-        own parent, so a chain need not be contiguous to be validated or stored."""
-        return BlockChain(*([part[i] for i in idx] for part in self))
-
-
-def chain_keys(
-    root: bytes,
-    tokens: np.ndarray,
-    block_size: int,
-    extra: Extra = NO_EXTRA,
-    *,
-    partial: bool = True,
-    limit: int | None = None,
-) -> BlockChain:
-    """Keys for the full blocks of ``tokens`` (and the trailing partial block if ``partial``).
-
-    One ``tobytes()`` for the whole prompt, then one slice and two hash calls per block: no
-    per-token Python work. ``limit`` stops after that many blocks. ``extra``: one digest for
-    every block, or ``BlockInputs`` asked for each block's.
-    """
-    buf = as_tokens(tokens).tobytes()
-    step = block_size * TOKEN_DTYPE.itemsize
-    n_full = len(buf) // step
-    ends = list(range(step, n_full * step + 1, step))
-    if partial and len(buf) % step:
-        ends.append(len(buf))
-    if limit is not None:
-        ends = ends[:limit]
-    keys: list[bytes] = []
-    fps: list[int] = []
-    prev, start = root, 0
-    size = TOKEN_DTYPE.itemsize
-    for end in ends:  # per block, not per token: one slice, one concatenation, two hashes
-        data = prev + buf[start:end] + (extra if isinstance(extra, bytes) else extra.digest(start // size, end // size))
-        prev = _h128(data)
-        keys.append(prev)
-        fps.append(_h64(data, FP_SEED))
-        start = end
-    lengths = [block_size] * len(keys)
-    if keys and ends[-1] - (ends[-2] if len(ends) > 1 else 0) != step:
-        lengths[-1] = (ends[-1] % step) // TOKEN_DTYPE.itemsize
-    return BlockChain(keys, [root, *keys[:-1]], fps, lengths)
-
-
-def chain_digests(root: bytes, digests: Sequence[bytes], ntok: int) -> BlockChain:
-    """Chain keys over blocks an engine already identifies by digests (e.g. SGLang's page hashes).
-
-    ``key_i = xxh3_128(key_{i-1} || digest_i)``: the index then checks the parent chain exactly as
-    for token blocks, and the fingerprint covers the whole prefix of digests. ``digests`` must
-    start at the first block of the sequence (the engine's prefix keys included).
-    """
-    keys: list[bytes] = []
-    fps: list[int] = []
-    prev = root
-    for d in digests:
-        data = prev + d
-        prev = _h128(data)
-        keys.append(prev)
-        fps.append(_h64(data, FP_SEED))
-    return BlockChain(keys, [root, *keys[:-1]], fps, [ntok] * len(keys))
-
-
-def rooted_digests(root: bytes, digests: Sequence[bytes], ntok: int) -> BlockChain:
-    """Keys for blocks whose engine digests already chain the whole prefix (SGLang's page hash):
-    block i is keyed by ``xxh3_128(root || digest_i)``, under ``root`` alone rather than under
-    block i-1, so that it is found whatever the engine still caches before it."""
-    data = [root + d for d in digests]
-    return BlockChain([_h128(x) for x in data], [root] * len(data), [_h64(x, FP_SEED) for x in data],
-                      [ntok] * len(data))
-
-
-def block_key(parent: bytes, tokens: np.ndarray, extra: bytes = NO_EXTRA) -> tuple[bytes, int]:
-    """Key and fingerprint of one block (full or partial) after ``parent``."""
-    data = parent + as_tokens(tokens).tobytes() + extra
-    return _h128(data), _h64(data, FP_SEED)
+# The xxh3 scheme's functions, as module functions: for ``keys.hash: xxh3``, the golden vectors,
+# and tools that key data no store shares. A store's keys are ``BlockStore.keys``.
+XXH3 = Xxh3Keys()
+root_key = XXH3.root_key
+group_root = XXH3.group_root
+chain_keys = XXH3.chain_keys
+chain_digests = XXH3.chain_digests
+rooted_digests = XXH3.rooted_digests
+block_key = XXH3.block_key

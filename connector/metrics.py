@@ -84,6 +84,16 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("unconfirmed_epoch_misses", "counter", "Lookups that missed because the shared tier had not "
               "confirmed the namespace's epoch within remote.invalidation_ms + confirm_margin_ms.",
               "unconfirmed_epoch_misses"),
+    MetricDef("not_joined_misses", "counter", "Lookups that missed because another instance reset the namespace "
+              "after a weight update and this one has not reset since (it holds other weights): it serves nothing "
+              "of the namespace until it resets itself.", "not_joined_misses"),
+    MetricDef("not_joined_saves_dropped", "counter", "Blocks not saved (written nowhere) for the same reason.",
+              "not_joined_saves"),
+    MetricDef("epoch_joins", "counter", "Resets that joined the epoch of another instance's reset instead of starting "
+              "a new one.", "epoch_joins"),
+    MetricDef("namespaces_not_joined", "gauge", "Namespaces this instance has not joined (reset by another instance "
+              "since this one last reset): each serves and saves nothing here until this instance resets.",
+              "namespaces_not_joined"),
     MetricDef("breaker_trips", "counter", "Times the shared tier's circuit breaker opened.",
               "{tier}_circuit_opened"),
     MetricDef("breaker_recoveries", "counter", "Times the shared tier's circuit breaker closed again (a trial "

@@ -1,6 +1,7 @@
 """stats_view.py: ``kvstrata stats`` for a person (``render``): sizes in binary units
-(``size_text``: ``1.2 GiB``), each namespace named by its model, weights version, KV dtype, layout and
-tenant (its descriptor, see ``describe``), and the counters that are not zero.
+(``size_text``: ``1.2 GiB``), each namespace named by its model, weights version, KV dtype, layout,
+tenant and key scheme (its descriptor, see ``describe``), whether this store has joined its epoch
+(see ``joins``; a process that only reads stats always has), and the counters that are not zero.
 
 It reads only the dict ``BlockStore.stats()`` returns (what ``stats --json`` prints), so the two
 outputs cannot disagree. Namespaces are printed as blocks of lines rather than table columns: a
@@ -45,8 +46,10 @@ def render(data: Mapping[str, Any], console: Console) -> None:
     ids = sorted(set(spaces) | set(current),
                  key=lambda ns_id: (ns_id not in described, described.get(ns_id, {}).get("model", ""), ns_id))
     console.print(Text(f"\nnamespaces: {len(ids)}", style="bold"))
+    behind = set(data.get("not_joined", ()))
     for ns_id in ids:
-        for line in _namespace_lines(ns_id, described.get(ns_id), current.get(ns_id), spaces.get(ns_id, {})):
+        for line in _namespace_lines(ns_id, described.get(ns_id), current.get(ns_id), spaces.get(ns_id, {}),
+                                     ns_id not in behind):
             console.print(Text(line), soft_wrap=True)  # soft_wrap: a long path stays on one line
     counters = {k: v for k, v in data["counters"].items() if v}
     if counters:
@@ -78,7 +81,7 @@ def _blocks(n: int) -> str:
 
 
 def _namespace_lines(ns_id: str, d: Mapping[str, Any] | None, epoch: str | None,
-                     epochs: Mapping[str, Mapping[str, int]]) -> list[str]:
+                     epochs: Mapping[str, Mapping[str, int]], joined: bool = True) -> list[str]:
     live = epochs.get(epoch or "", {"blocks": 0, "bytes": 0})
     old = [v for e, v in epochs.items() if e != epoch]
     stored = f"{_blocks(live['blocks'])}, {size_text(live['bytes'])} (epoch {epoch or '-'})"
@@ -86,12 +89,16 @@ def _namespace_lines(ns_id: str, d: Mapping[str, Any] | None, epoch: str | None,
         stored += (f"; {_blocks(sum(v['blocks'] for v in old))}, {size_text(sum(v['bytes'] for v in old))} "
                    "of older epochs, never served again (`kvstrata gc` reclaims them)")
     lines = [f"  {ns_id}  {d['model'] if d else _NO_DESCRIPTOR}", f"    stored     {stored}"]
+    if not joined:
+        lines.append("    joined     no: another instance reset it after a weight update; this store serves and "
+                     "saves none of it until it resets itself")
     if d:
         extra = "".join(f", {k} {v}" for k, v in sorted(d["extra"].items()))
         lines += [f"    weights    {d['model_version']}",
                   f"    dtype      {d['kv_dtype']}",
                   f"    layout     {d['layout']}",
                   f"    tenant     {d['tenant'] or '-'}",
+                  f"    keys       {d.get('key_scheme', 'xxh3')}",  # a descriptor from before schemes: xxh3
                   f"    engine     {d['engine']}: {d['block_size']}-token blocks, "
                   f"rank {d['rank']} of {d['world_size']}{extra}"]
     return lines

@@ -119,6 +119,12 @@ def test_bench_store_quick_prints_every_field(monkeypatch):
         assert field in data, field
         assert data[field] is None or data[field] > 0, field
     assert set(data["by_block_size"]) == {"256KiB", "1MiB", "4MiB"}
+    # both key schemes beside vLLM's own hashing, in one run, and their ratios
+    for name in ("blake3", "xxh3"):
+        assert data[f"lookup_us_per_1k_blocks_{name}"] > 0
+        assert data["ratios"][f"lookup_vs_engine_hash_{name}"] == data[f"lookup_vs_engine_hash_{name}"] > 0
+    assert data["lookup_us_per_1k_blocks"] == data["lookup_us_per_1k_blocks_blake3"]
+    assert data["ratios"]["lookup_vs_engine_hash"] == data["lookup_vs_engine_hash_blake3"]
     assert data["scale_blocks"] == 2_000
     assert data["sglang"] is None and "KVSTRATA_SGLANG_PYTHON" in data["sglang_reason"]
 

@@ -91,8 +91,10 @@ def test_duplicate_commit_keeps_one_entry_and_adds_tiers():
     assert index.tiers_of(np.array([row1]))[0] == 3
 
 
-def test_pins_protect_from_eviction_until_unpinned_or_expired():
-    index = BlockIndex(lease_s=0.2)
+def test_pins_protect_from_eviction_until_unpinned_or_dropped():
+    """Scenario: pinned rows are neither victims nor claimable until unpinned; a pin held past
+    lease_s stays (no deadline); a lease its holder drops is released at the next victim pick."""
+    index = BlockIndex(lease_s=0.05)
     chain = chain_for(range(64))
     rows = commit_chain(index, chain)
     _, lease = index.pin_keys(chain.keys[:2])
@@ -101,9 +103,10 @@ def test_pins_protect_from_eviction_until_unpinned_or_expired():
     assert not index.claim(key0, 1)
     index.unpin(lease)
     assert index.claim(key0, 1)
-    index.pin_keys([chain.keys[1]])
+    _, held = index.pin_keys([chain.keys[1]])
+    time.sleep(0.1)
     assert rows[1] not in index.lru_victims(1, 10)
-    time.sleep(0.3)
+    del held
     assert rows[1] in index.lru_victims(1, 10)
 
 

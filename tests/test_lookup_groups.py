@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import BLOCK_BYTES, BLOCK_SIZE, assert_payloads_match, make_namespace, payloads_for, random_tokens
-from kvstrata.keys import NO_EXTRA, BlockChain, Namespace, as_tokens, chain_keys, group_root, root_key
+from kvstrata.keys import NO_EXTRA, BlockChain, Namespace, as_tokens
 from kvstrata.store import BlockStore, GroupHit, GroupRule
 
 FULL = GroupRule("full", b"g0:full")
@@ -24,9 +24,11 @@ N_BLOCKS = 10
 ALL = range(N_BLOCKS)
 
 
-def group_chain(ns: Namespace, epoch: int, tokens: np.ndarray, rule: GroupRule) -> BlockChain:
-    return chain_keys(group_root(root_key(ns.seed, epoch), rule.tag), as_tokens(tokens), ns.block_size,
-                      partial=False)
+def group_chain(store: BlockStore, ns: Namespace, epoch: int, tokens: np.ndarray, rule: GroupRule) -> BlockChain:
+    """The group's keys from the store's key scheme's primitives (not from ``store.group_chain``)."""
+    keys = store.keys
+    root = keys.group_root(keys.root_key(ns.seed, epoch), rule.tag)
+    return keys.chain_keys(root, as_tokens(tokens), ns.block_size, partial=False)
 
 
 def blocks_of(chain: BlockChain, idx) -> BlockChain:
@@ -39,7 +41,7 @@ def store_group(store: BlockStore, ns: Namespace, tokens: np.ndarray, rule: Grou
     """Save the blocks ``idx`` of the group's chain (keys under ``ns`` and ``epoch``), written as
     blocks of ``as_ns`` (default ``ns``) under ``epoch``."""
     epoch = store.current_epoch(ns) if epoch is None else epoch
-    part = blocks_of(group_chain(ns, epoch, tokens, rule), idx)
+    part = blocks_of(group_chain(store, ns, epoch, tokens, rule), idx)
     if part.keys:
         assert store.save_now(as_ns or ns, epoch, part, payloads_for(part)) == len(part.keys)
     return part
@@ -156,7 +158,7 @@ def test_hits_hold_each_groups_own_payloads_and_count_once(store_factory, ns):
     assert after["lookup_hit_blocks"] - before.get("lookup_hit_blocks", 0) == 14
     epoch = store.current_epoch(ns)
     for rule, h, pos in zip((FULL, WINDOW, STATE), hit.hits, hit.positions):
-        want = blocks_of(group_chain(ns, epoch, tokens, rule), pos.tolist())
+        want = blocks_of(group_chain(store, ns, epoch, tokens, rule), pos.tolist())
         assert h.chain.keys == want.keys
         out = torch.zeros((h.num_blocks, BLOCK_BYTES), dtype=torch.uint8)
         assert store.load_into(h, out) == h.num_blocks
@@ -173,7 +175,8 @@ def test_groups_chains_differ_by_tag(store_factory, ns):
     store = store_factory()
     tokens = random_tokens("tags", N_BLOCKS * BLOCK_SIZE)
     epoch = store.current_epoch(ns)
-    assert not set(group_chain(ns, epoch, tokens, FULL).keys) & set(group_chain(ns, epoch, tokens, WINDOW).keys)
+    assert not set(group_chain(store, ns, epoch, tokens, FULL).keys) & set(
+        group_chain(store, ns, epoch, tokens, WINDOW).keys)
     store_group(store, ns, tokens, FULL, ALL)
     assert look(store, ns, tokens, [FULL]).boundary == 160
     assert look(store, ns, tokens, [GroupRule("full", b"g9:full")]).boundary == 0
@@ -275,12 +278,12 @@ def test_a_block_file_of_another_namespace_or_epoch_under_the_key_is_not_adopted
         other = make_namespace(model_version="v2")
         store_group(a, ns, tokens, STATE, [9], epoch=epoch, as_ns=other)
     else:
-        keys = group_chain(ns, epoch, tokens, STATE)
+        keys = group_chain(b, ns, epoch, tokens, STATE)
         part = blocks_of(keys, [9])
         assert a.save_now(ns, epoch + 1, part, payloads_for(part)) == 1
     assert a.flush(30)
     assert look(b, ns, tokens, [FULL, STATE]).boundary == 0
-    forged = blocks_of(group_chain(ns, epoch, tokens, STATE), [9])
+    forged = blocks_of(group_chain(b, ns, epoch, tokens, STATE), [9])
     assert b.index.rows_of(forged.keys)[0] < 0  # not even indexed: it would shadow B's own block later
     assert look(b, ns, tokens, [FULL]).boundary == 160  # the control: the full group alone hits
 

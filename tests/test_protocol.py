@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = sorted((ROOT / "adapters").rglob("*.py"))
 # The protocol's modules: the store and its handles, the keys and namespaces it is asked about,
 # the config it is built from, and the engine-neutral pieces beside it (metric names and
-# collectors, model identity, the block copy kernels the workers run).
+# collectors, model and adapter identity, the block copy kernels the workers run).
 ALLOWED = {"kvstrata.store", "kvstrata.keys", "kvstrata.config", "kvstrata.metrics", "kvstrata.identity",
-           "kvstrata.blockcopy"}
+           "kvstrata.adapter_versions", "kvstrata.blockcopy"}
 MEMBERS = {name for name in dir(StoreProtocol) if not name.startswith("_")}
 
 

@@ -98,10 +98,13 @@ class Shared(PolledEpochs):
             raise OSError("unreachable")
         return value
 
-    def _write(self, ns_seed: bytes, epoch: int) -> None:
+    def _write(self, ns_seed: bytes, epoch: int, expected: int | None) -> bool:
         if self.down:
             raise OSError("unreachable")
+        if expected is not None and self.value != expected:
+            return False
         self.value = epoch
+        return True
 
     def _attempt(self, fn: Callable[[], T], default: T) -> T:
         try:

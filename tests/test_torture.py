@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from kvstrata.cli import main
+from kvstrata.keys import key_scheme
 from kvstrata.store import BlockStore
 from kvstrata.tools.torture import (NAMESPACES, PAYLOAD_BYTES, RetiredLog, check_load, expected_keys,
                                     payloads_of, store_config)
 from redisutil import REDIS, standalone
 
 NS = NAMESPACES[0]
+KEYS = key_scheme(NS.key_scheme)  # the stores here hold no secret
 
 
 def loaded(tmp_path, tokens):
@@ -40,15 +42,15 @@ def test_an_epoch_retired_before_the_lookup_makes_the_load_stale(tmp_path):
     tokens = np.arange(10, dtype=np.uint32)  # two full blocks and a tail of two tokens
     hit, out, started = loaded(tmp_path, tokens)
     oracle = RetiredLog(tmp_path / "retired.log")
-    assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 0, [])
+    assert check_load(KEYS, NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 0, [])
     oracle.retire([hit.epoch + 1], started - 10, "invalidate")  # another epoch: not this load's
-    assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 0, [])
+    assert check_load(KEYS, NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 0, [])
     oracle.retire([hit.epoch], started + 10, "invalidate")  # retired after the lookup began: allowed
-    assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 0, [])
+    assert check_load(KEYS, NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 0, [])
     oracle.retire([hit.epoch], started - 10, "loss")  # retired before it began: stale, every block
-    assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 3, ["loss"])
+    assert check_load(KEYS, NS, tokens, hit.epoch, hit.chain.lengths, out, started, oracle) == (0, 3, ["loss"])
     graced = RetiredLog(tmp_path / "retired.log", grace_s=1.0)  # within the grace: allowed
-    assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, out, started, graced) == (0, 0, [])
+    assert check_load(KEYS, NS, tokens, hit.epoch, hit.chain.lengths, out, started, graced) == (0, 0, [])
 
 
 def test_a_partial_retired_log_line_is_not_read_until_complete(tmp_path):
@@ -65,27 +67,27 @@ def test_bytes_of_another_block_or_never_written_count_as_wrong(tmp_path):
     hit, out, started = loaded(tmp_path, tokens)
     oracle = RetiredLog(tmp_path / "retired.log")
     swapped = out[[1, 0, 2]]  # blocks 0 and 1 hold each other's bytes
-    assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, swapped, started, oracle)[0] == 2
+    assert check_load(KEYS, NS, tokens, hit.epoch, hit.chain.lengths, swapped, started, oracle)[0] == 2
     unwritten = out.copy()
     unwritten[2] = 0xA5  # reported loaded, never written
-    assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, unwritten, started, oracle)[0] == 1
+    assert check_load(KEYS, NS, tokens, hit.epoch, hit.chain.lengths, unwritten, started, oracle)[0] == 1
     flipped = out.copy()
     flipped[0, 100] ^= 1
-    assert check_load(NS, tokens, hit.epoch, hit.chain.lengths, flipped, started, oracle)[0] == 1
+    assert check_load(KEYS, NS, tokens, hit.epoch, hit.chain.lengths, flipped, started, oracle)[0] == 1
     # The keys come from the tokens, not from the hit: a hit for other tokens is wrong too.
     other = tokens.copy()
     other[9] += 1
-    assert check_load(NS, other, hit.epoch, hit.chain.lengths, out, started, oracle)[0] == 1
+    assert check_load(KEYS, NS, other, hit.epoch, hit.chain.lengths, out, started, oracle)[0] == 1
 
 
 def test_expected_keys_of_a_hit_ending_in_a_shorter_stored_tail(tmp_path):
     tokens = np.arange(11, dtype=np.uint32)  # the request goes on past a stored 2-token tail
     stored = tokens[:10]
     hit, out, started = loaded(tmp_path, stored)
-    keys = expected_keys(NS, hit.epoch, tokens, hit.chain.lengths)
+    keys = expected_keys(KEYS, NS, hit.epoch, tokens, hit.chain.lengths)
     assert keys == hit.chain.keys
-    assert expected_keys(NS, hit.epoch, tokens, [4, 4, 4, 2])[3] is None  # past the request's end
-    assert expected_keys(NS, hit.epoch, tokens, [2, 4])[0] is None  # a short block before a full one
+    assert expected_keys(KEYS, NS, hit.epoch, tokens, [4, 4, 4, 2])[3] is None  # past the request's end
+    assert expected_keys(KEYS, NS, hit.epoch, tokens, [2, 4])[0] is None  # a short block before a full one
 
 
 def torture(tmp_path, seconds: int, seed: int) -> dict:

@@ -28,7 +28,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request  # noqa: E402
 
 from kvstrata.adapters.vllm.request_keys import encode, request_keys  # noqa: E402
-from kvstrata.identity import AdapterVersions  # noqa: E402
+from kvstrata.adapter_versions import AdapterVersions  # noqa: E402
 from kvstrata.keys import NO_EXTRA, chain_keys, extra_digest, root_key  # noqa: E402
 
 BS = 16

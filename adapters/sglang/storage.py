@@ -7,8 +7,9 @@ shared L2 folder. Owns the backend API SGLang calls (``batch_exists``, ``batch_g
 Keys. SGLang names a page by a hex SHA-256 chained over the previous page's key and the page's
 token ids (and the request's extra key and cache salt), so one page key already stands for the
 whole prefix before it. kvstrata keys each page by that digest alone, seeded by the namespace and
-its epoch (``key = xxh3_128(root || digest)``, a chain of one rooted at the namespace), and the
-index confirms a hit by key and fingerprint; the parent check is SGLang's own, inside its SHA-256.
+its epoch (``key = H(root || digest)`` under the store's key scheme, a chain of one rooted at the
+namespace), and the index confirms a hit by key and fingerprint; the parent check is SGLang's own,
+inside its SHA-256.
 Keys never depend on the prefix keys SGLang may pass (``hicache_storage_pass_prefix_keys``): when
 SGLang asks storage for the continuation of a prefix its device or host cache still holds, it
 passes the ancestors of its last cached node without that node's own pages (SGLang 0.5.23,
@@ -304,7 +305,20 @@ class StrataStorage(HiCacheStorage):
 
     # -------------------------------------------------------------- control
     def clear(self) -> bool:
-        """Bump the namespace epoch: nothing stored before is served again, by any process."""
+        """A flush (``BlockStore.invalidate``): nothing stored before is served again, by any
+        process, and every instance adopts the new epoch at once.
+
+        Not the engine reset kind (``BlockStore.reset``, after which other instances serve nothing
+        until they reset too), because SGLang 0.5.23 calls a storage backend's ``clear`` only when
+        no weights change: the admin endpoint ``POST /hicache/storage-backend/clear``
+        (``Scheduler.clear_hicache_storage_wrapped``) and a PD role switch
+        (``disaggregation/role_switch.py``, best effort, on every rank). Its weight updates
+        (``update_weights_from_disk/tensor/distributed``, then ``flush_cache``) reset the radix tree
+        and the host pool but never reach the storage backend. As the reset kind, a role switch or
+        an operator's clear on one instance would take every other instance off the store until each
+        reset itself (and SGLang has no other call that could make it reset). SGLang thus tells
+        kvstrata nothing of a weight update made in memory: a deployment that makes them gives each
+        weights version its own namespace (``namespace.model_version``)."""
         if self.ns is None:
             return False
         return self.store.invalidate(self.ns.seed) is not None  # the store logs it either way

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from .scheduler import SchedulerSide, _Pending
+    from .pending import Pending
+    from .scheduler import SchedulerSide
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class HybridPlans:
         self.counted = next((i for i, g in enumerate(layouts) if g.kind == "full"), 0)  # the served tokens' group
 
     # -- lookup
-    def match(self, st: "_Pending", num_computed_tokens: int) -> tuple[int, bool]:
+    def match(self, st: "Pending", num_computed_tokens: int) -> tuple[int, bool]:
         if st.loaded:  # its load is done: vLLM goes on from what it now holds
             return 0, False
         self.release(st)
@@ -73,7 +74,7 @@ class HybridPlans:
         st.group_hit, st.group_slots = hit, slots
         return hit.boundary - num_computed_tokens, True
 
-    def release(self, st: "_Pending") -> None:
+    def release(self, st: "Pending") -> None:
         if st.group_hit is not None:
             self._give_back(st.group_hit)
             st.group_hit, st.group_slots = None, []
@@ -82,7 +83,7 @@ class HybridPlans:
         for h in hit.hits:
             self.side.store.complete_load(h)
 
-    def alloc(self, st: "_Pending", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def alloc(self, st: "Pending", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         hit = st.group_hit
         if hit is None:
             return
@@ -113,7 +114,7 @@ class HybridPlans:
         side.store.count_served(*side._served(st, num_external_tokens))  # the workers copy out of L1
 
     # -- saves
-    def plan_saves(self, req_id: str, st: "_Pending", scheduled: int, scheduler_output: "SchedulerOutput") -> None:
+    def plan_saves(self, req_id: str, st: "Pending", scheduled: int, scheduler_output: "SchedulerOutput") -> None:
         req, side = st.request, self.side
         after = min(req.num_computed_tokens + scheduled, req.num_tokens)
         full = after // self.bs

@@ -1,7 +1,8 @@
 """What a vLLM engine's blocks are keyed on, and where its L1 arena lives.
 
 Owns the namespace derivation (model and weights version, KV dtype, device layout, block size,
-parallel group, a speculative draft whose layers keep KV in the blocks: ``draft_identity``),
+parallel group, a speculative draft whose layers keep KV in the blocks: ``draft_identity``, the
+resolved model settings: ``model_settings``),
 whether a block is stored once for every tensor-parallel rank (``latent_shared``: MLA), and the arena's name in
 ``/dev/shm`` (``KVSTRATA_SHM_DIR``) with the clean-up of arenas whose engine died.
 """
@@ -20,6 +21,7 @@ from kvstrata.identity import resolve_model_version
 from kvstrata.keys import Namespace
 from kvstrata.store import remove_dead_arenas
 
+from ..model_settings import fields_of, hf_config_dict, settings_digest
 from .groups import group_layouts
 
 if TYPE_CHECKING:
@@ -84,6 +86,94 @@ def draft_identity(vllm_config: "VllmConfig") -> dict[str, str]:
     return {"draft": f"{spec.method}:{draft.model}:{version}"}
 
 
+# The settings below are in the namespace (``model_settings``): every field of vLLM's ModelConfig,
+# LoadConfig and CacheConfig, the resolved HF config (overrides applied) and the multimodal config,
+# except the fields named here with the reason they cannot change the KV. A field a new vLLM adds
+# is in until it is listed. docs/consistency.md ("Runtime settings") has the same lists.
+_AFTER_HIDDEN_STATES = "after the last hidden state: sampling, logprobs, what is returned"
+_TOKENIZATION = "text to token ids: the keys are on token ids"
+_MEMORY = "GPU memory management, not the computation"
+MODEL_EXCLUDED: dict[str, str] = {
+    "model": "the model's path or hub id: Namespace.model; its files are in the weights version",
+    "model_weights": "where the weights were fetched from (an object-storage URI); the weights version "
+                    "fingerprints the local files",
+    "revision": "the hub revision: resolved into the weights version",
+    "hf_config_path": "where the HF config is read from: its resolved content is in",
+    "config_format": "how the HF config is read: its resolved content is in",
+    "tokenizer": _TOKENIZATION, "tokenizer_mode": _TOKENIZATION, "tokenizer_revision": _TOKENIZATION,
+    "skip_tokenizer_init": _TOKENIZATION,
+    "seed": "the sampler's seed (dummy weights use a fixed seed of their own)",
+    "hf_token": "a credential for the hub",
+    "served_model_name": "the name the API answers to",
+    "allowed_local_media_path": "which media a request may read", "allowed_media_domains": "which media a request may fetch",
+    "spec_target_max_model_len": "a draft model's length limit",
+    "allow_deprecated_quantization": "permission to use a deprecated method; the method itself is in",
+    "enforce_eager": "execution strategy (CUDA graphs, torch.compile): the same computation, rounded no "
+                     "differently than another batch shape is",
+    "disable_cascade_attn": "has no effect (deprecated in vLLM 0.32)",
+    "enable_prompt_embeds": "admits embedding inputs; a block's embedding rows are in its keys",
+    "return_sampling_mask": _AFTER_HIDDEN_STATES, "max_logprobs": _AFTER_HIDDEN_STATES,
+    "logprobs_mode": _AFTER_HIDDEN_STATES, "use_fp64_gumbel": _AFTER_HIDDEN_STATES,
+    "enable_trace_replay": _AFTER_HIDDEN_STATES, "logits_processors": _AFTER_HIDDEN_STATES,
+    "generation_config": _AFTER_HIDDEN_STATES, "override_generation_config": _AFTER_HIDDEN_STATES,
+    "pooler_config": "pooling, after the last hidden state",
+    "enable_sleep_mode": _MEMORY, "sleep_preserve_parameter_names": _MEMORY, "sleep_mode_backend": _MEMORY,
+    "sleep_mode_offload_cudagraph": _MEMORY, "enable_nccl_comm_suspend": _MEMORY, "enable_cumem_allocator": _MEMORY,
+    "io_processor_plugin": "request and response processing around the model",
+    "renderer_num_workers": "threads that render prompts",
+}
+_SIZING = "how many blocks fit on this machine, not what a block holds"
+_PREFIX_CACHE = "vLLM's own prefix cache: which blocks it keeps and how it finds them"
+CACHE_EXCLUDED: dict[str, str] = {
+    "gpu_memory_utilization": _SIZING, "kv_cache_memory_bytes": _SIZING, "num_gpu_blocks_override": _SIZING,
+    "num_gpu_blocks": _SIZING, "num_cpu_blocks": _SIZING, "kv_cache_size_tokens": _SIZING,
+    "kv_cache_max_concurrency": _SIZING,
+    "enable_prefix_caching": _PREFIX_CACHE, "prefix_caching_hash_algo": _PREFIX_CACHE,
+    "prefix_cache_retention_interval": _PREFIX_CACHE, "prefix_match_unit": _PREFIX_CACHE,
+    "hash_block_size": _PREFIX_CACHE, "cache_hit_alignment_tokens": _PREFIX_CACHE,
+    "enable_mamba_shared_prefix_checkpoint": _PREFIX_CACHE,
+    "kv_offloading_size": "vLLM's own CPU offloading", "kv_offloading_backend": "vLLM's own CPU offloading",
+    "user_specified_block_size": "whether the block size was given: its value is in",
+    "_block_size_resolved": "whether the block size was resolved: its value is in",
+}
+_READING = "how and where the weights are read, not which weights"
+LOAD_EXCLUDED: dict[str, str] = {
+    "download_dir": "where hub files are cached (a path); the weights version covers the files",
+    "safetensors_load_strategy": _READING, "safetensors_prefetch_num_threads": _READING,
+    "safetensors_prefetch_block_size": _READING, "device": _READING, "use_tqdm_on_load": _READING,
+    "pt_load_map_location": _READING,
+}
+_MM_TRANSPORT = "how multimodal items are cached, hashed, moved or profiled, not what they compute"
+MULTIMODAL_EXCLUDED: dict[str, str] = {
+    "limit_per_prompt": "how many items a prompt may carry",
+    "mm_processor_cache_gb": _MM_TRANSPORT, "mm_processor_cache_type": _MM_TRANSPORT,
+    "mm_hasher_algorithm": _MM_TRANSPORT, "mm_shm_cache_max_object_size_mb": _MM_TRANSPORT,
+    "mm_tensor_ipc": _MM_TRANSPORT, "mm_ipc_gpu_memory_gb": _MM_TRANSPORT, "skip_mm_profiling": _MM_TRANSPORT,
+    "mm_encoder_tp_mode": "how the encoder is sharded: the same computation",
+    "mm_encoder_fp8_scale_save_path": "where calibrated scales are written", "mm_encoder_fp8_scale_save_margin":
+        "how calibrated scales are written",
+    "interleave_mm_strings": "prompt rendering: the token ids are in the keys",
+}
+# Fields that are in, each in its own part of the settings.
+_OWN_PART = frozenset({"hf_config", "hf_text_config", "multimodal_config"})
+
+
+def model_settings(vllm_config: "VllmConfig") -> dict:
+    """What of the engine's resolved configuration can change the KV (see ``MODEL_EXCLUDED``)."""
+    model = vllm_config.model_config
+    hf, text = getattr(model, "hf_config", None), getattr(model, "hf_text_config", None)
+    settings = {
+        "model": fields_of(model, MODEL_EXCLUDED.keys() | _OWN_PART),
+        "hf_config": hf_config_dict(hf),
+        "multimodal": fields_of(getattr(model, "multimodal_config", None), MULTIMODAL_EXCLUDED),
+        "load": fields_of(getattr(vllm_config, "load_config", None), LOAD_EXCLUDED),
+        "cache": fields_of(getattr(vllm_config, "cache_config", None), CACHE_EXCLUDED),
+    }
+    if text is not None and text is not hf:  # a multimodal model's text stack, when vLLM keeps it apart
+        settings["hf_text_config"] = hf_config_dict(text)
+    return settings
+
+
 def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: StrataConfig) -> Namespace:
     model = vllm_config.model_config
     version = resolve_model_version(cfg.namespace.model_version, model.model, model.revision,
@@ -101,6 +191,8 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
     shared = latent_shared(vllm_config, kv_cache_config)
     if shared:
         layout += ";mla"
+    settings = settings_digest(model_settings(vllm_config))
+    log.info("kvstrata: model settings digest %s", settings)
     return Namespace(
         engine="vllm",
         model=model.model,
@@ -111,7 +203,8 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
         rank=0,
         world_size=1 if shared else par.tensor_parallel_size,
         tenant=cfg.namespace.tenant,
-        extra={"pp": str(par.pipeline_parallel_size), **draft_identity(vllm_config)},
+        key_scheme=cfg.keys.hash,
+        extra={"pp": str(par.pipeline_parallel_size), "model_config": settings, **draft_identity(vllm_config)},
     )
 
 

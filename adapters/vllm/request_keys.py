@@ -25,11 +25,10 @@ import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import xxhash
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-from kvstrata.identity import AdapterVersions
-from kvstrata.keys import Extra, extra_digest
+from kvstrata.adapter_versions import AdapterVersions
+from kvstrata.keys import Extra, digest16, extra_digest
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -63,7 +62,7 @@ class EngineBlockInputs:
         if out is None:
             keys, _ = generate_block_hash_extra_keys(self._request, start, end, 0)
             own = [k for k in keys or () if not _request_wide(k)]  # the rest is in the base already
-            out = xxhash.xxh3_128_digest(self._base + encode(own)) if own else self._base
+            out = digest16(self._base + encode(own)) if own else self._base
             self._digests[(start, end)] = out
         return out
 

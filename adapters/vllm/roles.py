@@ -41,7 +41,7 @@ class Role:
     local_copy = True  # blocks loaded from the shared tier are also written to the disk tier
 
     def planning(self, st: Any, block_size: int) -> None:
-        """The request ``st`` (the scheduler's ``_Pending``) is planned in this step."""
+        """The request ``st`` (the scheduler's ``Pending``) is planned in this step."""
 
     def saving(self, req_id: str, op_id: int) -> None:
         """A save op of ``req_id`` went to the workers."""

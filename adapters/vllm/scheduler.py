@@ -26,7 +26,7 @@ settled only when every rank has reported it:
   stage for an MLA latent that every rank holds whole (``slots.SlotPlan``).
 
 Over 300 lines because lookup, staging, save planning and settling all work on one per-request
-state (``_Pending``) and one table of in-flight ops; split apart, each would reach into the others.
+state (``Pending``) and one table of in-flight ops; split apart, each would reach into the others.
 """
 
 from __future__ import annotations
@@ -34,15 +34,14 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.config import load_engine_config
-from kvstrata.identity import AdapterVersions
-from kvstrata.keys import NO_EXTRA, BlockChain, Extra
+from kvstrata.keys import BlockChain
 from kvstrata.store import BlockStore, Hit, Reservation, StoreProtocol
 
 from .events import KVEvents
@@ -51,8 +50,7 @@ from .hybrid import HybridPlans
 from .metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
 from .metrics import StatsCollector
 from .namespace import namespace_for, new_arena_path
-from .request_keys import adapter_unchanged, request_keys
-from .resets import LocalCacheGuard
+from .pending import Admission, Pending
 from .roles import make_role
 from .slots import slot_plan
 
@@ -71,32 +69,6 @@ log = logging.getLogger(__name__)
 # store"s (``p2p`` is a transfer from another vLLM instance). kvstrata's own ``kvstrata_hit_*``
 # series keep the exact split.
 HIT_SOURCE = {"l1": CacheHitSource.HOST, "l2": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
-
-
-@dataclass
-class _Pending:
-    """A live request, from its first lookup to ``request_finished``."""
-
-    request: "Request"
-    tokens: np.ndarray
-    extra: Extra
-    adapter: tuple[int, str, str] | None = None  # the LoRA adapter (id, path, version) the keys cover
-    served: bool = True  # False: no lookups (its keys cannot be made: request_keys)
-    saves: bool = True  # False: nothing of it is stored (keyless, or its KV may predate a reset)
-    checked: bool = False  # its local prefix hit was checked against the last reset (LocalCacheGuard)
-    saved_full: int = 0  # full blocks already planned for saving
-    tail_saved: bool = False
-    local: int = 0  # block-aligned tokens the engine already had
-    hit: Hit | None = None  # pinned (hit.lease) from the lookup until its load op takes it over
-    slots: list[int] = field(default_factory=list)  # L1 slots of the hit's blocks, read under the pin
-    staging: bool = False
-    staged: bool = False
-    origin: list[str] = field(default_factory=list)  # per block of the hit: the tier it is served from
-    learned: bool = False  # the hit's keys were paired with vLLM's block hashes (KV events)
-    scheduled: bool = False  # planned in a step already (roles.Consumer)
-    group_hit: Any = None  # a hybrid model's pinned GroupHit, until its load ops take it over
-    group_slots: list[list[int]] = field(default_factory=list)
-    loaded: bool = False  # a hybrid model's asynchronous load was handed to the workers
 
 
 @dataclass(slots=True)
@@ -133,14 +105,13 @@ class SchedulerSide:
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._inline_bytes = cfg.l1.stage_inline_bytes
         self._lock = threading.Lock()  # staging jobs finish on the store's background thread
-        self._reqs: dict[str, _Pending] = {}
+        self._reqs: dict[str, Pending] = {}
         self._loads: list[CopyOp] = []
         self._saves: list[CopyOp] = []
         self._inflight: dict[int, _InFlight] = {}  # op id -> what settles when every rank reports it
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
         self._next_op = 1
-        self._adapters = AdapterVersions()  # LoRA adapters by content, as this engine loaded them
-        self._guard = LocalCacheGuard()  # vLLM's own cached blocks from before this instance's last reset
+        self._admission = Admission()  # which requests are served and stored
         self.stats = StatsCollector(self.store)
         self._hybrid = HybridPlans(self, layouts) if layouts else None
         self.role = make_role(vllm_config, cfg, self.store)  # P/D: producer, consumer or both
@@ -161,7 +132,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = self._reqs[request.request_id] = self._pending(request)
+            st = self._reqs[request.request_id] = self._admission.admit(request)
         if not st.served:
             return 0, False
         if self._hybrid is not None:
@@ -185,30 +156,10 @@ class SchedulerSide:
         st.hit, st.slots = hit, slots
         return matched, False
 
-    def _pending(self, request: "Request") -> _Pending:
-        """A new request's state: its keys (``request_keys``), or none when they cannot be made
-        (its LoRA adapter changed under the engine): then it is neither served nor stored."""
-        keys = request_keys(request, self._adapters)
-        if keys is None:
-            return _Pending(request, np.zeros(0, np.uint32), NO_EXTRA, served=False, saves=False)
-        return _Pending(request, keys.tokens, keys.extra, keys.adapter)
+    def _may_save(self, st: Pending, req_id: str) -> bool:
+        return self._admission.may_save(st, req_id, self.kv_cache_manager, self.block_size)
 
-    def may_save(self, st: _Pending, req_id: str) -> bool:
-        """Whether the blocks of ``st`` may be stored now: not if its KV may be of other weights
-        than this instance's (its local prefix hit came from before this instance's last reset,
-        or it was running at that reset) or its LoRA adapter's files changed since it was keyed."""
-        if not st.saves:
-            return False
-        if not st.checked and self.kv_cache_manager is not None:
-            st.checked = True
-            if not self._guard.fresh(self.kv_cache_manager, req_id, st.local, self.block_size):
-                st.saves = False
-                return False
-        if st.adapter is not None and not adapter_unchanged(st.request, self._adapters, st.adapter):
-            st.saves = False
-        return st.saves
-
-    def _resident(self, st: _Pending, hit: Hit, num_computed_tokens: int) -> tuple[int | None, list[int]]:
+    def _resident(self, st: Pending, hit: Hit, num_computed_tokens: int) -> tuple[int | None, list[int]]:
         """Tokens of the pinned ``hit`` beyond ``num_computed_tokens`` that are in L1 now (staging
         what is not; None while a background staging job runs), and the L1 slots of its blocks."""
         usable = min(hit.num_tokens, len(st.tokens) - 1)  # the last token is always computed
@@ -233,7 +184,7 @@ class SchedulerSide:
             return 0, []
         return usable - num_computed_tokens, slots[:resident]  # type: ignore[return-value]
 
-    def _stage(self, st: _Pending, hit: Hit, first: int) -> bool:
+    def _stage(self, st: Pending, hit: Hit, first: int) -> bool:
         """Bring the hit's blocks into L1. Returns True when done inline (small hits): the caller
         can promise them now; False when a background job was started (ask again later)."""
         missing = sum(1 for s in self.store.arena.slots(hit)[first:] if s is None)
@@ -254,7 +205,7 @@ class SchedulerSide:
                 st.staging, st.staged = False, True  # queue full: serve what L1 has
         return False
 
-    def _release(self, st: _Pending) -> None:
+    def _release(self, st: Pending) -> None:
         """Give back the pin of the request's last lookup (not handed to a load op)."""
         if st.hit is not None:
             self.store.complete_load(st.hit)
@@ -269,7 +220,7 @@ class SchedulerSide:
             out[HIT_SOURCE[tier]] = out.get(HIT_SOURCE[tier], 0) + tokens
         return out
 
-    def _served(self, st: _Pending, num_external_tokens: int) -> tuple[list[str], list[int]]:
+    def _served(self, st: Pending, num_external_tokens: int) -> tuple[list[str], list[int]]:
         """Per block of the load the request is about to get: the tier it comes from, its tokens."""
         bs = self.block_size
         first = st.local // bs
@@ -316,16 +267,16 @@ class SchedulerSide:
             if st is not None:
                 self.role.planning(st, self.block_size)
             if st is not None and self._hybrid is not None:
-                if self.may_save(st, req_id):
+                if self._may_save(st, req_id):
                     self._hybrid.plan_saves(req_id, st, n, scheduler_output)
-            elif st is not None and self.may_save(st, req_id):
+            elif st is not None and self._may_save(st, req_id):
                 self._plan_saves(req_id, st, n)
         meta = StrataMetadata(self.arena, self._loads, self._saves, self.role.take_sent())
         self._loads, self._saves = [], []
         return meta
 
     # -- saves
-    def _plan_saves(self, req_id: str, st: _Pending, scheduled: int) -> None:
+    def _plan_saves(self, req_id: str, st: Pending, scheduled: int) -> None:
         """Save the blocks this step completes, copied right after its forward pass.
 
         Called before the scheduler advances ``num_computed_tokens``. Tokens whose ids are not
@@ -419,18 +370,20 @@ class SchedulerSide:
 
     # -- control and stats
     def reset_cache(self) -> bool:
-        """vLLM's reset after a weight update (``reset_prefix_cache(reset_connector=True)``). False
-        when the new epoch could not be written to the shared tier (the store has logged and
-        counted it; this instance serves nothing of the namespace until it is).
+        """vLLM's reset after a weight update (``reset_prefix_cache(reset_connector=True)``): a new
+        weights generation of the namespace's epoch, or, when another instance reset first, that
+        instance's epoch joined. False when the new epoch could not be written to the shared tier
+        (the store has logged and counted it; this instance serves nothing of the namespace until
+        it is).
 
         What this instance computed before it may be of the old weights, so none of it is stored
         afterwards: not the rest of the requests running now, and not what vLLM's own prefix cache
         still serves from before (its reset fails while requests hold blocks:
         ``resets.LocalCacheGuard``)."""
-        for st in self._reqs.values():
-            st.saves = False
-        self._guard.reset(self.kv_cache_manager)
-        return self.store.invalidate(self.ns.seed) is not None  # the store logs it either way
+        self._admission.reset(self._reqs.values(), self.kv_cache_manager)
+        # An engine reset, not an operator's flush: the other instances sharing the store serve and
+        # save nothing of the namespace until they reset too (joins.py); the store logs either way.
+        return self.store.reset(self.ns.seed) is not None
 
     def get_kv_connector_stats(self) -> StrataStats | None:
         return self.stats.collect()

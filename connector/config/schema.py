@@ -206,14 +206,30 @@ class TestingConfig(_Model):
     """Test-only: sleep this long in every disk write, to show that a slow disk never stalls."""
 
 
+class KeysConfig(_Model):
+    """The ``keys:`` section: how block keys are computed (``kvstrata.keys``)."""
+
+    hash: Literal["blake3", "xxh3"] = "blake3"
+    """``blake3``: one keyed BLAKE3 call per block gives its key and fingerprint, keyed by the
+    deployment secret (``remote.auth_key_file`` or ``$KVSTRATA_AUTH_KEY``) where one is set:
+    collision resistant, so a user who chooses prompts cannot make two blocks share a key.
+    ``xxh3``: the keys of earlier versions (their caches stay readable); fast, not collision
+    resistant, never keyed. Each scheme has namespaces of its own: switching misses everything
+    stored under the other."""
+
+
 class StrataConfig(_Model):
     namespace: NamespaceConfig = NamespaceConfig()
+    keys: KeysConfig = KeysConfig()
     l1: L1Config = L1Config()
     l2: L2Config = L2Config()
     remote: RemoteConfig = RemoteConfig()
     saves: SaveConfig = SaveConfig()
     lease_seconds: float = Field(60.0, gt=0)
-    """Pins expire after this long, so a caller that dies never protects blocks forever."""
+    """The shared folder tier (``remote.backend: fs``): ``kvstrata gc`` never deletes a block read
+    within this long (a read renews its file's mtime). An index pin held longer than this is
+    logged as overdue, and kept: a pin lasts until its holder gives it back or is gone (its lease
+    dropped, its process ended), never a deadline that could run out under an engine's copy."""
     testing: TestingConfig = TestingConfig()
 
     @property

@@ -10,13 +10,16 @@ Primitives:
   chain is dropped, never overwritten.
 - ``pin_keys(keys)`` / ``unpin(lease)``: look keys up and pin the leading run of them under one
   lock acquisition. A pinned row keeps its key (it is never removed or reused, and its L1 slot is
-  never freed) until the pin goes; the lease deadline means a caller that dies or forgets can
-  never protect blocks forever. Looking rows up and pinning them under two acquisitions is the
-  race this closes: in between, the row can be freed and handed to another block.
+  never freed) until its ``Lease`` is given back or dropped (see Pins). Looking rows up and
+  pinning them under two acquisitions is the race this closes: in between, the row can be freed
+  and handed to another block.
 - ``metas(rows, keys)``: entry metadata of rows, checked against the keys asked for: every read of
   a row verifies its key, so a stale row number can never serve another block.
 - ``lru_victims(tier, n)``: the least recently used unpinned rows of a tier.
 - ``claim(key, tier)`` / ``drop_tier(key, tier)``: evict a block from a tier, or note that the tier lost its copy; the entry goes when no tier holds it.
+
+Pins (``pins.py``: who holds them, and when they end): a held pin has no deadline; a pin whose
+holder dropped its ``Lease`` is released at the index's next pin, claim or victim pick.
 
 Thread safety: every public method takes the index lock; callers hold no lock of their own.
 """
@@ -24,12 +27,12 @@ Thread safety: every public method takes the index lock; callers hold no lock of
 from __future__ import annotations
 
 import threading
-import time
 from typing import Iterator, NamedTuple
 
 import numpy as np
 
 from ..keys import BlockChain
+from .pins import Lease, PinCensus, Pins
 from .table import RECENT, EntryMeta, Table
 
 
@@ -42,20 +45,14 @@ class Census(NamedTuple):
     seeds: list[bytes]
 
 
-class Lease(NamedTuple):
-    rows: np.ndarray
-    deadline: float
-
-
 class BlockIndex(Table):
     """Committed blocks of all namespaces of one store. See the module docstring."""
 
     def __init__(self, key_bits: int = 128, lease_s: float = 60.0, capacity: int = 1024) -> None:
+        """``lease_s``: a pin held longer than this is logged as overdue (``pins.py``)."""
         super().__init__(key_bits, capacity)
-        self._lease_s = lease_s
         self._lock = threading.RLock()
-        self._leases: dict[int, Lease] = {}
-        self._next_lease = 1
+        self._leases = Pins(lease_s)
 
     # ------------------------------------------------------------------ lookup
     def match(self, ns_seed: bytes, epoch: int, chain: BlockChain, start: int = 0) -> int:
@@ -67,12 +64,12 @@ class BlockIndex(Table):
         with self._lock:
             return self._match_rows(ns_seed, epoch, chain, start)
 
-    def match_pinned(self, ns_seed: bytes, epoch: int, chain: BlockChain) -> tuple[np.ndarray, int | None]:
+    def match_pinned(self, ns_seed: bytes, epoch: int, chain: BlockChain) -> tuple[np.ndarray, Lease | None]:
         """``match_rows`` from the start of ``chain``, with the rows pinned in the same lock
         acquisition. Returns the rows and the lease (None when empty)."""
         with self._lock:
             r = self._match_rows(ns_seed, epoch, chain, 0)
-            return r, (self._pin(r, None) if len(r) else None)
+            return r, (self._pin(r) if len(r) else None)
 
     def _match_rows(self, ns_seed: bytes, epoch: int, chain: BlockChain, start: int) -> np.ndarray:
         keys = chain.keys[start:] if start else chain.keys
@@ -128,8 +125,7 @@ class BlockIndex(Table):
         with self._lock:
             return self._rows_of(keys)
 
-    def pin_keys(self, keys: list[bytes], lease_s: float | None = None, *,
-                 leading: bool = True) -> tuple[np.ndarray, int | None]:
+    def pin_keys(self, keys: list[bytes], *, leading: bool = True) -> tuple[np.ndarray, Lease | None]:
         """Rows of the leading run of ``keys`` that are indexed and held by some tier, pinned
         together under one lock acquisition. Returns the rows and the lease (None when empty).
         With ``leading=False``, every such key is pinned and the rows are aligned with ``keys``
@@ -147,7 +143,7 @@ class BlockIndex(Table):
                 pinned = rows[held]
             if not len(pinned):
                 return rows, None
-            return rows, self._pin(pinned, lease_s)
+            return rows, self._pin(pinned)
 
     def tail_lengths(self, parent: bytes) -> list[int]:
         """Token counts of partial blocks stored after ``parent``, longest first."""
@@ -202,7 +198,7 @@ class BlockIndex(Table):
         """Atomically take block ``key`` out of a tier for eviction; False if a reader has it
         pinned, or it is not indexed in that tier (any more)."""
         with self._lock:
-            self._expire_leases()
+            self._reap()
             row = self._row_of(key)
             if row < 0 or self._pins[row] or not self._tiers[row] & tier_bit:
                 return False
@@ -222,21 +218,24 @@ class BlockIndex(Table):
                 self._remove(row)
 
     # -------------------------------------------------------------- pins, LRU
-    def _pin(self, rows: np.ndarray, lease_s: float | None) -> int:
-        """Protect ``rows`` from eviction until ``unpin`` or the lease expires. Returns a lease id."""
-        self._expire_leases()
-        lease = self._next_lease
-        self._next_lease += 1
+    def _pin(self, rows: np.ndarray) -> Lease:
+        """Protect ``rows`` from eviction until the lease is given back (``unpin``) or dropped."""
+        self._reap()
         np.add.at(self._pins, rows, 1)
-        deadline = time.monotonic() + (self._lease_s if lease_s is None else lease_s)
-        self._leases[lease] = Lease(rows, deadline)
-        return lease
+        return self._leases.add(rows)
 
-    def unpin(self, lease: int) -> None:
+    def unpin(self, lease: Lease) -> None:
+        """Give the lease's pin back (a second call does nothing)."""
         with self._lock:
-            held = self._leases.pop(lease, None)
-            if held is not None:
-                self._release(held.rows)
+            rows = self._leases.give_back(lease)
+            if rows is not None:
+                self._release(rows)
+
+    def pins(self) -> PinCensus:
+        """Pins held now (and the oldest one's age), and those abandoned and overdue so far."""
+        with self._lock:
+            self._reap()
+            return self._leases.census()
 
     def _release(self, rows: np.ndarray) -> None:
         np.subtract.at(self._pins, rows, 1)
@@ -245,15 +244,16 @@ class BlockIndex(Table):
             if self._map.get_one(key(row, 0), key(row, 1)) == row:  # still live (not yet removed)
                 self._remove(row)
 
-    def _expire_leases(self) -> None:
-        now = time.monotonic()
-        for lease in [k for k, v in self._leases.items() if v.deadline < now]:
-            self._release(self._leases.pop(lease).rows)
+    def _reap(self) -> None:
+        """Release dropped leases' pins (and log overdue ones), before every pin, claim and pick."""
+        for rows in self._leases.take_abandoned():
+            self._release(rows)
+        self._leases.audit()
 
     def lru_victims(self, tier_bit: int, n: int) -> list[int]:
         """Up to ``n`` unpinned rows of a tier, least recently used first."""
         with self._lock:
-            self._expire_leases()
+            self._reap()
             cand = np.flatnonzero((self._tiers & tier_bit).astype(bool) & (self._pins == 0))
             if len(cand) > n:
                 cand = cand[np.argpartition(self._last[cand], n - 1)[:n]]
@@ -291,7 +291,7 @@ class BlockIndex(Table):
     def stale_rows(self, ns_seed: bytes, epoch: int) -> list[int]:
         """Unpinned rows of ``ns_seed`` from epochs other than ``epoch`` (for GC)."""
         with self._lock:
-            self._expire_leases()
+            self._reap()
             ns = self._ns_ids.get(ns_seed)
             if ns is None:
                 return []

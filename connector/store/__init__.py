@@ -3,8 +3,9 @@
 ``BlockStore`` is the facade every caller uses; its primitives are listed in ``protocol.py``.
 It composes one part per concern, each in its own module:
 
-- ``parts.py``: the shared pieces (index, tiers, epochs, counters, save threads), built from the
-  config, reading no block file.
+- ``parts.py``: the shared pieces (index, tiers, epochs, counters, save threads, key scheme),
+  built from the config, reading no block file.
+- ``scopes.py``: every namespace asked about, under the store's key scheme.
 - ``recovery.py``: L2's blocks into the index in a background thread (lookups adopt them by
   header meanwhile; ``wait_recovered``).
 - ``lookup.py``: ``lookup`` / ``lookup_chain`` (and the pin of ``prepare_load``).
@@ -12,6 +13,8 @@ It composes one part per concern, each in its own module:
 - ``load.py``: ``load`` into tensors, byte runs or L1.
 - ``write.py``: ``prepare_store`` / ``complete_store`` and ``save``.
 - ``evict.py``: L1 slots by LRU eviction and demotion, tier capacities, ``gc``.
+- ``bumps.py``: ``invalidate`` (a flush) and ``reset`` (an engine's, after new weights), and the
+  namespaces' descriptors kept beside their epochs (``describe``).
 - ``saver.py``: the bounded background queue and its threads.
 
 ``describe`` and ``descriptors`` (what a namespace is, kept beside its epoch) are here: they are
@@ -28,11 +31,9 @@ import numpy as np
 import torch
 
 from ..config import StrataConfig
-from ..describe import MAX_BYTES as DESCRIPTOR_MAX, encode as encode_descriptor
 from ..epochs import EpochStore
 from ..index import BlockIndex
-from ..keys import NO_EXTRA, BlockChain, Extra, Namespace, as_tokens, block_key, chain_keys, extra_at, group_root, root_key, \
-    rooted_digests
+from ..keys import NO_EXTRA, BlockChain, Extra, KeyScheme, Namespace, as_tokens, extra_at
 from ..metrics import Counters, TierListener
 from ..tiers import BlockTier, DiskTier, MemoryTier
 from ..tiers.arena import attach_shared_arena, remove_dead_arenas
@@ -41,20 +42,25 @@ from .evict import Evictor
 from .groups import GroupHit, GroupLookup, GroupRule
 from .load import Loader
 from .lookup import Lookup
-from .parts import open_parts
+from .parts import open_keys, open_parts
 from . import report, served
+from .bumps import Bumps
 from .recovery import Recovery
+from .scopes import Scopes
 from .protocol import Arena, ByteRuns, Hit, Reservation, StoreProtocol
 from .write import Payloads, Writer
 
 __all__ = ["Arena", "BlockStore", "ByteRuns", "GroupHit", "GroupRule", "Hit", "Reservation", "StoreProtocol",
-           "attach_shared_arena", "remove_dead_arenas"]
+           "attach_shared_arena", "open_keys", "remove_dead_arenas"]
 
 log = logging.getLogger(__name__)
 
 
 class BlockStore:
-    """The store protocol (``protocol.StoreProtocol``) over one index, L1 and the backing tiers."""
+    """The store protocol (``protocol.StoreProtocol``) over one index, L1 and the backing tiers.
+
+    Every key is computed with the store's key scheme (``keys``, from ``keys.hash``), and every
+    namespace it is given is taken under that scheme (``scopes.Scopes``)."""
 
     def __init__(self, config: StrataConfig | None = None, *, l1_slot_bytes: int = 0,
                  l1_shared_path: str | None = None) -> None:
@@ -69,6 +75,8 @@ class BlockStore:
         self._group_lookups = GroupLookup(self._parts)
         self._loader = Loader(self._parts, self._writer, self._evictor)
         self._arena = Arena(self._parts.l1)
+        self._scopes = Scopes(self._parts.keys.name)
+        self._bumps = Bumps(self._parts, self._evictor)
         if self._parts.recovery is not None:
             self._parts.recovery.start(then=self._evictor.after_recovery)
 
@@ -96,33 +104,13 @@ class BlockStore:
 
     # The shared pieces, for tools, checks and tests; engine glue never uses them
     # (tests/test_protocol.py holds the adapters to the protocol).
-    @property
-    def counters(self) -> Counters:
-        return self._parts.counters
-
-    @property
-    def index(self) -> BlockIndex:
-        return self._parts.index
-
-    @property
-    def epochs(self) -> EpochStore:
-        return self._parts.epochs
-
-    @property
-    def l1(self) -> MemoryTier:
-        return self._parts.l1
-
-    @property
-    def l2(self) -> DiskTier | None:
-        return self._parts.l2
-
-    @property
-    def remote(self) -> BlockTier | None:
-        return self._parts.remote
-
-    @property
-    def tiers(self) -> list[BlockTier]:
-        return self._parts.tiers
+    counters: Counters = property(lambda self: self._parts.counters)  # type: ignore[assignment]
+    index: BlockIndex = property(lambda self: self._parts.index)  # type: ignore[assignment]
+    epochs: EpochStore = property(lambda self: self._parts.epochs)  # type: ignore[assignment]
+    l1: MemoryTier = property(lambda self: self._parts.l1)  # type: ignore[assignment]
+    l2: DiskTier | None = property(lambda self: self._parts.l2)  # type: ignore[assignment]
+    remote: BlockTier | None = property(lambda self: self._parts.remote)  # type: ignore[assignment]
+    tiers: list[BlockTier] = property(lambda self: self._parts.tiers)  # type: ignore[assignment]
 
     @property
     def recovery(self) -> Recovery | None:
@@ -130,37 +118,46 @@ class BlockStore:
         return self._parts.recovery
 
     # ------------------------------------------------------------------ keys
+    @property
+    def keys(self) -> KeyScheme:
+        """The key scheme every key of this store is computed with (``keys.hash``, keyed by the
+        deployment secret where one is set), for tools and tests that key blocks the store holds."""
+        return self._parts.keys
+
     def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
               *, partial: bool = True) -> tuple[int, BlockChain]:
         """Current epoch and the chained keys of ``tokens`` (full blocks, then the partial tail)."""
-        return self._lookups.chain(ns, tokens, extra, partial=partial)
+        return self._lookups.chain(self._scopes.own(ns), tokens, extra, partial=partial)
 
     def tail_block(self, ns: Namespace, epoch: int, parent: bytes | None, tokens: Sequence[int] | np.ndarray,
                    extra: Extra = NO_EXTRA, *, start: int = 0) -> BlockChain:
         """The chain of one partial block: ``tokens`` (fewer than a block, from token ``start`` of
         the prompt) after the block ``parent`` (None: at the start of the prompt, under the root of
         ``epoch``)."""
-        parent = root_key(ns.seed, epoch) if parent is None else parent
-        key, fp = block_key(parent, as_tokens(tokens), extra_at(extra, start, start + len(tokens)))
+        keys = self._parts.keys
+        parent = keys.root_key(self._scopes.own(ns).seed, epoch) if parent is None else parent
+        key, fp = keys.block_key(parent, as_tokens(tokens), extra_at(extra, start, start + len(tokens)))
         return BlockChain([key], [parent], [fp], [len(tokens)])
 
     def page_chain(self, ns: Namespace, epoch: int, digests: Sequence[bytes]) -> BlockChain:
         """Keys for engine pages whose own digests already chain the whole prefix (SGLang's page
         hash): page i is keyed by ``digests[i]`` alone, rooted at the namespace and ``epoch``, so
-        a page is found whatever the engine still caches before it (``keys.rooted_digests``)."""
-        return rooted_digests(root_key(ns.seed, epoch), digests, ns.block_size)
+        a page is found whatever the engine still caches before it (``KeyScheme.rooted_digests``)."""
+        keys = self._parts.keys
+        return keys.rooted_digests(keys.root_key(self._scopes.own(ns).seed, epoch), digests, ns.block_size)
 
     def current_epoch(self, ns: Namespace) -> int:
         """The epoch saves of ``ns`` go under (a lookup checks that it is confirmed)."""
-        return self._parts.epochs.get(ns.seed)
+        return self._parts.epochs.get(self._scopes.own(ns).seed)
 
     def group_chain(self, ns: Namespace, epoch: int, tag: bytes, tokens: Sequence[int] | np.ndarray,
                     extra: Extra = NO_EXTRA) -> BlockChain:
         """The full-block keys of ``tokens`` on one KV-cache group's chain of a hybrid model
-        (``keys.group_root``: under ``epoch``'s root and the group's ``tag``), as ``lookup_groups``
+        (``KeyScheme.group_root``: under ``epoch``'s root and the group's ``tag``), as ``lookup_groups``
         finds them."""
-        return chain_keys(group_root(root_key(ns.seed, epoch), tag), as_tokens(tokens), ns.block_size, extra,
-                          partial=False)
+        keys = self._parts.keys
+        root = keys.group_root(keys.root_key(self._scopes.own(ns).seed, epoch), tag)
+        return keys.chain_keys(root, as_tokens(tokens), ns.block_size, extra, partial=False)
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
@@ -171,7 +168,7 @@ class BlockStore:
         (``lookup_seconds``)."""
         self._serving()
         started = time.perf_counter()
-        hit = self._lookups.lookup(ns, tokens, extra, pin=pin)
+        hit = self._lookups.lookup(self._scopes.own(ns), tokens, extra, pin=pin)
         self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
         return hit
 
@@ -179,21 +176,21 @@ class BlockStore:
         """``lookup`` for a chain the caller built (``page_chain``); no partial tails."""
         self._serving()
         started = time.perf_counter()
-        hit = self._lookups.lookup_chain(ns, epoch, chain, pin=pin)
+        hit = self._lookups.lookup_chain(self._scopes.own(ns), epoch, chain, pin=pin)
         self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
         return hit
 
     def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra,
                       rules: Sequence[GroupRule], *, lo: int, hi: int, pin: bool) -> GroupHit:
         """For a hybrid model's KV-cache groups (one ``GroupRule`` each, keyed under
-        ``keys.group_root``): the largest block boundary N, ``lo < N <= hi``, at which every group
+        ``KeyScheme.group_root``): the largest block boundary N, ``lo < N <= hi``, at which every group
         has the blocks it must load (full: ``[lo, N)``; window: those its window reaches; state:
         the block ending at N), and those blocks per group; one N for all, or a miss. With ``pin``
         each group's blocks are pinned until ``complete_load(hit.hits[g])``. Timed
         (``lookup_seconds``)."""
         self._serving()
         started = time.perf_counter()
-        hit = self._group_lookups.lookup_groups(ns, tokens, extra, rules, lo=lo, hi=hi, pin=pin)
+        hit = self._group_lookups.lookup_groups(self._scopes.own(ns), tokens, extra, rules, lo=lo, hi=hi, pin=pin)
         self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
         return hit
 
@@ -210,7 +207,7 @@ class BlockStore:
 
     def stored_mask(self, ns: Namespace, epoch: int, chain: BlockChain) -> np.ndarray:
         """Which blocks of ``chain`` are validly stored now (bool per block)."""
-        return self._parts.index.valid_mask(ns.seed, epoch, chain)
+        return self._parts.index.valid_mask(self._scopes.own(ns).seed, epoch, chain)
 
     # ------------------------------------------------------------------ load
     # Each load is timed here, labelled by the outermost tier it may read (``load_seconds_<tier>``).
@@ -271,8 +268,9 @@ class BlockStore:
     def prepare_store(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
         """Fresh L1 slots for the blocks of ``chain`` not stored yet (a prefix of them if L1 is
         full): the caller fills ``arena.data[slot, :size]`` for ``res.slots`` (``res.metas``
-        name the blocks), then calls ``complete_store``. Nobody can see the slots until then."""
-        return self._writer.prepare_store(ns, epoch, chain, size)
+        name the blocks), then calls ``complete_store``. Nobody can see the slots until then. No
+        slots while this instance has not joined the namespace's epoch (see ``reset``)."""
+        return self._writer.prepare_store(self._scopes.own(ns), epoch, chain, size)
 
     def complete_store(self, res: Reservation, success: bool = True, *, wait: bool = False) -> int:
         """Publish the filled slots of ``res`` (the index sees them from now on) and write them
@@ -285,17 +283,18 @@ class BlockStore:
         """Store the blocks of ``chain`` not validly stored yet, on a save thread: ``src[i]`` is
         block i's bytes (tensors; a uint8 view is taken), copied into L1 and written through from
         there. Returns at once: False (and counted) when the queue is full. ``src`` must stay
-        unchanged until ``on_done(blocks_stored)`` (0 if the job failed)."""
-        return self._writer.save(ns, epoch, chain, src, on_done)
+        unchanged until ``on_done(blocks_stored)`` (0 if the job failed). Also False (and counted,
+        ``not_joined_saves``) while this instance has not joined the namespace's epoch."""
+        return self._writer.save(self._scopes.own(ns), epoch, chain, src, on_done)
 
     def save_now(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads) -> int:
         """``save`` on the calling thread; returns the blocks stored."""
-        return self._writer.save_now(ns, epoch, chain, src)
+        return self._writer.save_now(self._scopes.own(ns), epoch, chain, src)
 
     def save_runs(self, ns: Namespace, epoch: int, chain: BlockChain, runs: ByteRuns) -> int:
         """Store the blocks of ``chain`` not validly stored yet straight from the caller's memory
         to L2, bypassing L1 (needs ``direct_writes``); returns the blocks stored."""
-        return self._writer.save_runs(ns, epoch, chain, runs)
+        return self._writer.save_runs(self._scopes.own(ns), epoch, chain, runs)
 
     @property
     def direct_writes(self) -> bool:
@@ -327,23 +326,28 @@ class BlockStore:
 
     # ------------------------------------------------- invalidation, gc, stats
     def invalidate(self, ns_seed: bytes) -> int | None:
-        """Bump the namespace epoch: from now on no older entry is served. Returns the new epoch,
-        or None when it could not be written where the other instances read it (the shared tier
-        is unreachable): counted (``invalidation_failures``) and logged. This instance then serves
-        nothing of the namespace until the new epoch is written (retried at every use);
-        the other instances go on with the old one until then."""
-        epoch = self._parts.epochs.bump(ns_seed)
-        if epoch is None:
-            self._parts.counters.inc("invalidation_failures")
-            log.error("kvstrata: namespace %s could not be invalidated: the new epoch was not written where "
-                      "the other instances read it (the shared tier, or the epochs folder); this instance serves "
-                      "none of its blocks until it is (retried at every lookup), the others keep serving the old "
-                      "epoch until then", ns_seed[:8].hex())
-            return None
-        self._parts.counters.inc("invalidations")
-        log.info("kvstrata: namespace %s is now at epoch %016x", ns_seed[:8].hex(), epoch)
-        self.gc(only=[ns_seed])
-        return epoch
+        """A flush (no weights changed: ``kvstrata invalidate``): bump the namespace epoch, keeping
+        its generation, so that from now on no older entry is served, and every instance adopts
+        the new epoch. Returns the new epoch, or None when it could not be written where the other
+        instances read it (the shared tier is unreachable): counted (``invalidation_failures``) and
+        logged. This instance then serves nothing of the namespace until the new epoch is written
+        (retried at every use); the other instances go on with the old one until then."""
+        return self._bumps.flush(self._scopes.seed(ns_seed))
+
+    def reset(self, ns_seed: bytes) -> int | None:
+        """The engine's reset after a weight update (vLLM's ``reset_prefix_cache(reset_connector=
+        True)``, ``kvstrata invalidate --weights``): no older entry is served from now on, and the
+        other instances, which may still hold the old weights, serve and save nothing of the
+        namespace until each resets too (``joins``). If another instance's reset made the current
+        epoch after this one last joined, this reset joins that epoch (counted, ``epoch_joins``)
+        instead of starting yet another generation; otherwise it starts one (``invalidations``).
+        Returns the epoch now joined, or None as ``invalidate``."""
+        return self._bumps.reset(self._scopes.seed(ns_seed))
+
+    def joined(self, ns_seed: bytes) -> bool:
+        """Whether this instance serves and saves the namespace: False after a reset made
+        elsewhere (another instance's new weights) until this instance resets itself."""
+        return self._parts.epochs.joined(self._scopes.seed(ns_seed))
 
     def gc(self, only: list[bytes] | None = None) -> dict[str, int]:
         """Reclaim unpinned entries of older epochs, then enforce every tier's capacity."""
@@ -358,13 +362,7 @@ class BlockStore:
         ``kvstrata invalidate --model`` finds the namespace. Adapters call it once at start (it
         also creates the namespace's epoch, so the namespace is listed before its first block);
         never on a lookup or save path. Never raises: a failure is logged and costs names only."""
-        blob = encode_descriptor(ns)
-        self._parts.epochs.get(ns.seed)
-        if blob is None:
-            log.warning("kvstrata: namespace %s is too large to describe (over %d bytes); stats will "
-                        "show its id only", ns.id, DESCRIPTOR_MAX)
-            return
-        self._parts.epochs.describe(ns.seed, blob)
+        self._bumps.describe(self._scopes.own(ns))
 
     def descriptors(self, seeds: Iterable[bytes] | None = None) -> dict[bytes, Namespace]:
         """The recorded namespaces, by seed (default: every namespace the store knows), read back
@@ -373,14 +371,15 @@ class BlockStore:
         return report.descriptors(self._parts, self.namespaces() if seeds is None else seeds)
 
     def resident(self) -> dict[str, int]:
-        """``<tier>_resident_blocks`` and ``<tier>_resident_bytes`` for every tier: the gauges both
-        adapters export. One vectorized count over the index (a byte per row), cheap enough for
-        every engine step; unlike ``stats`` it reads nothing from disk or the network."""
+        """``<tier>_resident_blocks`` and ``<tier>_resident_bytes`` for every tier, and
+        ``namespaces_not_joined``: the gauges both adapters export. One vectorized count over the
+        index (a byte per row), cheap enough for every engine step; unlike ``stats`` it reads
+        nothing from disk or the network."""
         return report.resident(self._parts)
 
     def stats(self) -> dict[str, object]:
-        """Tiers, blocks and bytes per namespace and epoch, current epochs, descriptors
-        and counters (``kvstrata stats``)."""
+        """Tiers, blocks and bytes per namespace and epoch, current epochs, the namespaces this
+        instance has not joined (``joined``), descriptors and counters (``kvstrata stats``)."""
         return report.stats(self._parts)
 
     def close(self) -> None:

@@ -3,7 +3,8 @@ L2 is written on eviction), blocks written to the backing tiers (``write_backing
 before each batch, committed after), and ``gc`` of older epochs.
 
 A block leaves a tier only after the index ``claim``s it there, which fails while the block is
-pinned: a reader holding a pin never has its block deleted, nor its slot or row reused.
+pinned: a reader holding a pin never has its block deleted, nor its slot or row reused, however
+long it holds it (pins have no deadline: ``index/pins.py``).
 """
 
 from __future__ import annotations

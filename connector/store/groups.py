@@ -3,8 +3,8 @@
 Under vLLM's hybrid KV cache manager each group keeps a block table of its own, and each needs
 other blocks to resume a prompt at token N: full attention every block below N, a sliding window
 only the blocks its window reaches back to, an SSM only its state at N. Every group chains its
-keys under ``keys.group_root(root_key(seed, epoch), tag)``: one namespace and one epoch, so one
-``invalidate`` and one epoch confirmation cover all the groups.
+keys under ``group_root(root_key(seed, epoch), tag)`` of the store's key scheme: one namespace and
+one epoch, so one ``invalidate`` and one epoch confirmation cover all the groups.
 
 ``GroupLookup.lookup_groups`` returns the largest block boundary N that every group can serve, and
 per group exactly the blocks it must load at N. It never returns groups at different boundaries:
@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple, Sequence
 import numpy as np
 
 from ..index import EntryMeta
-from ..keys import BlockChain, Extra, Namespace, as_tokens, chain_keys, group_root, root_key
+from ..keys import BlockChain, Extra, Namespace, as_tokens
 from ..tiers import BlockTier
 from .lookup import chain_slice
 from .parts import Parts
@@ -114,17 +114,18 @@ class GroupLookup:
         tokens = as_tokens(tokens)
         epoch, confirmed = self.p.epochs.lookup_epoch(ns.seed, since)
         self.p.counters.inc("lookups")
-        if not confirmed:  # as ``Lookup._unconfirmed``: nothing of an epoch nobody vouches for
-            self.p.counters.inc("unconfirmed_epoch_misses")
+        if not confirmed or not self.p.epochs.joined(ns.seed):  # as ``Lookup._unconfirmed``
+            self.p.counters.inc("not_joined_misses" if confirmed else "unconfirmed_epoch_misses")
             return _miss(ns, 0, len(rules))
         bs = ns.block_size
         lo_block, top = lo // bs, min(hi, len(tokens)) // bs
         if top <= lo_block:
             return _miss(ns, epoch, len(rules))
         search = _Search(self.p, ns, epoch, lo_block)
-        root = root_key(ns.seed, epoch)
-        groups = [search.group(rule, chain_keys(group_root(root, rule.tag), tokens, bs, extra, partial=False,
-                                                limit=top)) for rule in rules]
+        keys = self.p.keys
+        root = keys.root_key(ns.seed, epoch)
+        groups = [search.group(rule, keys.chain_keys(keys.group_root(root, rule.tag), tokens, bs, extra,
+                                                     partial=False, limit=top)) for rule in rules]
         stop = top
         for g in groups:  # full groups first, ascending: a cold prompt costs one probe per tier
             if g.rule.kind == "full":

@@ -4,7 +4,8 @@ Index only: backing tiers are asked for 128-byte headers of blocks another proce
 are adopted into the index), never for payloads. A prompt's hit may end in a stored partial block
 (a tail). A lookup uses the namespace's epoch only if the epoch store vouches for it
 (``EpochStore.lookup_epoch``: confirmed by the shared tier within its bound); otherwise it is
-a miss, counted as ``unconfirmed_epoch_misses``.
+a miss, counted as ``unconfirmed_epoch_misses``. So is a lookup of a namespace this instance has
+not joined (``EpochStore.joined``: a reset made elsewhere), counted as ``not_joined_misses``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..keys import NO_EXTRA, BlockChain, Extra, Namespace, as_tokens, block_key, chain_keys, extra_at, root_key
+from ..keys import NO_EXTRA, BlockChain, Extra, Namespace, as_tokens, extra_at
 from .parts import Parts
 from .protocol import Hit
 
@@ -31,16 +32,19 @@ class Lookup:
               *, partial: bool = True) -> tuple[int, BlockChain]:
         """Current epoch and the chained keys of ``tokens`` (full blocks, then the partial tail)."""
         epoch = self.p.epochs.get(ns.seed)
-        return epoch, chain_keys(root_key(ns.seed, epoch), as_tokens(tokens), ns.block_size, extra, partial=partial)
+        keys = self.p.keys
+        return epoch, keys.chain_keys(keys.root_key(ns.seed, epoch), as_tokens(tokens), ns.block_size, extra,
+                                      partial=partial)
 
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
                *, pin: bool = False) -> Hit:
         since = time.monotonic()  # before anything else: the epoch must be confirmed since then
         tokens = as_tokens(tokens)
         epoch, confirmed = self.p.epochs.lookup_epoch(ns.seed, since)
-        if not confirmed:
-            return self._unconfirmed(ns)
-        chain = chain_keys(root_key(ns.seed, epoch), tokens, ns.block_size, extra)
+        if not confirmed or not self.p.epochs.joined(ns.seed):
+            return self._unconfirmed(ns, confirmed)
+        keys = self.p.keys
+        chain = keys.chain_keys(keys.root_key(ns.seed, epoch), tokens, ns.block_size, extra)
         if pin:  # validated and pinned in one index call: the common, whole-prompt hit is done
             rows_full, lease = self.p.index.match_pinned(ns.seed, epoch, chain)
         else:
@@ -65,17 +69,18 @@ class Lookup:
         valid stored prefix of ``chain``, from the index and tier headers only. A miss unless
         ``epoch`` is the namespace's epoch, confirmed now."""
         current, confirmed = self.p.epochs.lookup_epoch(ns.seed, time.monotonic())
-        if not confirmed:
-            return self._unconfirmed(ns)
+        if not confirmed or not self.p.epochs.joined(ns.seed):
+            return self._unconfirmed(ns, confirmed)
         n = self._match(ns.seed, epoch, chain, 0) if current == epoch else 0  # replaced since the chain was built
         return self._hit(ns, epoch, chain_slice(chain, 0, n), pin)
 
-    def _unconfirmed(self, ns: Namespace) -> Hit:
+    def _unconfirmed(self, ns: Namespace, confirmed: bool = False) -> Hit:
         """A miss of no epoch (``epoch`` 0): the shared tier has not confirmed the
-        namespace's epoch recently enough (or a reset of it is not written yet), so nothing
-        of it may be served."""
+        namespace's epoch recently enough (or a reset of it is not written yet), or (``confirmed``)
+        this instance has not joined it (a reset made elsewhere: ``joins``), so nothing of it may
+        be served."""
         self.p.counters.inc("lookups")
-        self.p.counters.inc("unconfirmed_epoch_misses")
+        self.p.counters.inc("not_joined_misses" if confirmed else "unconfirmed_epoch_misses")
         return Hit(ns, 0, BlockChain([], [], [], []), [], None)
 
     def _hit(self, ns: Namespace, epoch: int, chain: BlockChain, pin: bool) -> Hit:
@@ -152,7 +157,7 @@ class Lookup:
         for ntok in sorted(lengths, reverse=True):
             if ntok >= ns.block_size or ntok > len(rest):
                 continue
-            key, fp = block_key(parent, rest[:ntok], extra_at(extra, start, start + ntok))
+            key, fp = self.p.keys.block_key(parent, rest[:ntok], extra_at(extra, start, start + ntok))
             one = BlockChain([key], [parent], [fp], [ntok])
             if self._match(ns.seed, epoch, one, 0):
                 return one

@@ -1,7 +1,8 @@
 """The pieces every part of the store shares, and how they are built from the config.
 
 ``Parts`` holds the index, L1, the backing tiers (L2 disk, then the shared tier), the epochs, the
-counters, the background save threads and L2's background recovery. ``open_parts`` builds them;
+counters, the background save threads, L2's background recovery and the key scheme (``open_keys``:
+``keys.hash``, keyed by the deployment secret where one is set). ``open_parts`` builds them;
 it reads no block file (``recovery.py`` brings L2's blocks into the index in the background). The
 lookup, load, write and evict parts each hold the one ``Parts`` and read
 its fields at every call, so that swapping a field (a test sharing another store's epochs) is
@@ -13,10 +14,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..auth import ENV as AUTH_ENV, SecretError, open_auth
+from ..auth import ENV as AUTH_ENV, SecretError, load_secret, open_auth
 from ..config import ConfigError, StrataConfig, check_fits_one_block
 from ..epochs import EpochStore, MemoryEpochs
 from ..index import BlockIndex
+from ..keys import KeyScheme, key_scheme
 from ..metrics import Counters
 from ..tiers import REMOTE_BACKENDS, BlockTier, DiskTier, FileEpochs, MemoryTier
 from ..tiers.redis_client import redact_url
@@ -24,7 +26,7 @@ from .recovery import Recovery
 from .saver import Saver
 
 log = logging.getLogger(__name__)
-_said: set[str] = set()  # shared tiers whose (un)authenticated state this process has logged
+_said: set[str] = set()  # shared tiers (their (un)authenticated state) and key schemes this process has logged
 
 
 @dataclass(slots=True)
@@ -39,6 +41,7 @@ class Parts:
     epochs: EpochStore
     saver: Saver
     recovery: Recovery | None  # L2's blocks coming into the index (None: no L2)
+    keys: KeyScheme  # how every key of this store is computed (``keys.hash``)
 
     @property
     def tiers(self) -> list[BlockTier]:
@@ -53,6 +56,7 @@ class Parts:
 def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | None) -> Parts:
     if l1_slot_bytes:
         check_fits_one_block(config, l1_slot_bytes)
+    keys = open_keys(config)
     counters = Counters()
     index = BlockIndex(key_bits=config.testing.key_bits, lease_s=config.lease_seconds)
     l1 = MemoryTier(counters, config.l1.size, l1_slot_bytes, config.l1.pin_memory, l1_shared_path)
@@ -92,4 +96,24 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
                      where, auth.key_id)
     saver = Saver(config.saves.queue_blocks, config.saves.threads)
     recovery = Recovery(index, l2) if l2 is not None else None
-    return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver, recovery)
+    return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver, recovery, keys)
+
+
+def open_keys(config: StrataConfig) -> KeyScheme:
+    """The key scheme of ``keys.hash``, keyed by the deployment secret (``remote.auth_key_file``,
+    else ``$KVSTRATA_AUTH_KEY``) where one is set, whether or not a tier is authenticated: every
+    process that shares blocks holds the same secret, and only those find each other's blocks."""
+    try:
+        secret = load_secret(config.remote.auth_key_file)
+    except SecretError as e:
+        raise ConfigError(f"kvstrata config {config.source}: remote.auth_key_file: {e}") from None
+    keys = key_scheme(config.keys.hash, secret)
+    if keys.describe() not in _said:
+        _said.add(keys.describe())
+        if keys.collision_resistant:
+            log.info("kvstrata: block keys: %s", keys.describe())
+        else:
+            log.warning("kvstrata: block keys: %s (keys.hash), not collision resistant: a user who chooses "
+                        "prompts can search for two blocks with one key and be served the other's KV "
+                        "(keys.hash: blake3 is)", keys.describe())
+    return keys

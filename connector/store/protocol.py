@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from ..index import EntryMeta, Lease
-from ..keys import BlockChain, Extra, Namespace
+from ..keys import BlockChain, Extra, KeyScheme, Namespace
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +105,8 @@ class Arena:
 class StoreProtocol(Protocol):
     """What engine glue may ask of a store. Grouped as they are used:
 
-    - keys: ``chain`` (a prompt's chained block keys under the current epoch),
+    - keys: ``keys`` (the store's key scheme: ``keys.hash``, keyed by the deployment secret),
+      ``chain`` (a prompt's chained block keys under the current epoch),
       ``tail_block``, ``page_chain`` (pages keyed by the engine's own chained digests),
       ``group_chain`` (one KV-cache group's keys of a hybrid model),
       ``current_epoch``;
@@ -120,12 +121,16 @@ class StoreProtocol(Protocol):
     - stores: ``prepare_store`` then ``complete_store`` (the caller fills fresh L1 slots),
       ``save`` (queued) / ``save_now`` / ``save_runs`` (straight to disk from the caller's memory);
     - figures: ``count_served``, ``snapshot``, ``listen`` (tier changes), ``tier_bits``;
-    - control: ``describe``, ``invalidate``, ``flush``, ``close``; and the L1 ``arena`` view with
+    - control: ``describe``, ``invalidate`` (a flush every instance adopts), ``reset`` (the
+      engine's reset after a weight update: other instances serve and save nothing of the
+      namespace until they reset too), ``joined``, ``flush``, ``close``; and the L1 ``arena`` view with
       the capabilities ``direct_reads``, ``direct_writes``, ``max_runs``.
     """
 
     @property
     def arena(self) -> Arena: ...
+    @property
+    def keys(self) -> KeyScheme: ...
     @property
     def direct_reads(self) -> bool: ...
     @property
@@ -172,5 +177,7 @@ class StoreProtocol(Protocol):
 
     def describe(self, ns: Namespace) -> None: ...
     def invalidate(self, ns_seed: bytes) -> int | None: ...
+    def reset(self, ns_seed: bytes) -> int | None: ...
+    def joined(self, ns_seed: bytes) -> bool: ...
     def flush(self, timeout: float | None = None) -> bool: ...
     def close(self) -> None: ...

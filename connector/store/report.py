@@ -40,6 +40,7 @@ def resident(p: Parts) -> dict[str, int]:
     for tier in p.tiers:
         out[f"{tier.name}_resident_blocks"] = int(np.count_nonzero(bits & tier.bit))
         out[f"{tier.name}_resident_bytes"] = int(tier.used_bytes)
+    out["namespaces_not_joined"] = len(p.epochs.not_joined())
     return out
 
 
@@ -54,5 +55,6 @@ def stats(p: Parts) -> dict[str, object]:
     seeds = sorted(set(census.seeds) | set(p.epochs.known()))
     current = {s[:8].hex(): f"{p.epochs.get(s):016x}" for s in seeds}
     described = {s[:8].hex(): asdict(ns) for s, ns in descriptors(p, seeds).items()}
-    return {"tiers": tiers, "namespaces": spaces, "current_epochs": current,
+    behind = sorted(s[:8].hex() for s in p.epochs.not_joined())
+    return {"tiers": tiers, "namespaces": spaces, "current_epochs": current, "not_joined": behind,
             "descriptors": described, "counters": p.counters.snapshot()}

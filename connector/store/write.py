@@ -51,11 +51,22 @@ class Writer:
         tier (``on_evict`` writes L2 from L1 slots, and the shared tier is written from L1 too)."""
         return self.p.l2_written_through and self.p.remote is None
 
+    def refused(self, ns: Namespace, blocks: int) -> bool:
+        """Whether saves of ``ns`` are refused now: while a reset made elsewhere has left this
+        instance behind (it holds other weights: ``joins``), its blocks are written nowhere,
+        counted (``not_joined_saves``)."""
+        if not blocks or self.p.epochs.joined(ns.seed):
+            return False
+        self.p.counters.inc("not_joined_saves", blocks)
+        return True
+
     # ------------------------------------------------------------------ save
     def save(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads,
              on_done: Callable[[int], None] | None = None) -> bool:
         """Store ``chain``'s blocks not stored yet, on a save thread. See ``BlockStore.save``."""
         n = len(chain.keys)
+        if self.refused(ns, n):
+            return False
         reported = threading.Event()  # on_done runs exactly once, even when the job raises
 
         def report(k: int) -> None:
@@ -78,6 +89,8 @@ class Writer:
 
     def save_now(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads) -> int:
         """``save`` on the calling thread; returns the blocks stored."""
+        if self.refused(ns, len(chain.keys)):
+            return 0
         stored = self._put_chain(ns, epoch, chain, src)
         self.write_through(stored)
         return len(stored)
@@ -130,6 +143,8 @@ class Writer:
 
     # ----------------------------------------- slots the caller fills itself
     def prepare_store(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
+        if self.refused(ns, len(chain.keys)):
+            return Reservation([], [])
         _todo, metas = self._todo(ns, epoch, chain, size)
         return self.evictor.reserve_slots(metas)
 
@@ -180,6 +195,8 @@ class Writer:
         L2: each is checksummed by streaming, written with one ``pwritev`` to a temp file and
         published by rename; all are committed to the index once written. L1 is bypassed. The
         runs must stay unchanged until this returns."""
+        if self.refused(ns, len(chain.keys)):
+            return 0
         p = self.p
         if not self.direct_writes or p.l2 is None:
             raise ValueError("direct writes need L2 written through and no shared tier (see direct_writes)")

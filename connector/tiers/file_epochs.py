@@ -11,11 +11,13 @@ a descriptor that fails is absent; both are counted (``<counter_prefix>_auth_epo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..auth import Auth
 from ..epochs import (Retired, new_epoch, parse_epoch, read_descriptor, read_head,
@@ -25,16 +27,21 @@ from ..metrics import Counters
 from .folder import make_folder
 
 log = logging.getLogger(__name__)
+_LOCK_WAIT_S = 2.0  # a change that cannot take the lock this long fails (it stays pending, retried)
+_LOCK_STALE_S = 10.0  # a lock this old (by its mtime) was left by a process that died holding it
 
 
 class FileEpochs(PolledEpochs):
     """``<root>/<seed hex>``: the epoch as decimal text.
 
     A missing file is created with ``link()`` of a complete temp file, which fails if another
-    process created it first (no locks: NFS has none), so concurrent creators agree. Two
-    concurrent bumps both replace the file; the last one wins, and both hide every older entry,
-    which is all a bump has to do. A file that does not hold a valid epoch, or holds a
-    retired one, is lost state and is replaced by a fresh epoch.
+    process created it first, so concurrent creators agree. Every other change (a bump, a reset,
+    the repair of a bad value) is a compare-and-set: made while holding ``<seed hex>.lock``,
+    created with ``O_EXCL`` (atomic on NFS too, where ``flock`` may be local only), and only if the
+    file still holds what the writer read; the file itself is replaced atomically, so readers take
+    no lock. A lock older than ``_LOCK_STALE_S`` is taken to be a dead holder's and is broken. A
+    file that does not hold a valid epoch, or holds a retired one, is lost state and is replaced
+    by a fresh epoch.
 
     Two ways to read it (``shared``):
 
@@ -92,7 +99,7 @@ class FileEpochs(PolledEpochs):
                 continue
             if not stat.S_ISREG(st.st_mode):  # a planted link, FIFO or folder is lost state
                 log.warning("kvstrata epochs: %s is not a regular file; starting a new epoch", path)
-                self._replace(ns_seed, None)
+                self._replace(ns_seed, None, None)
                 continue
             stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
             cached = self._cache.get(ns_seed)
@@ -102,26 +109,28 @@ class FileEpochs(PolledEpochs):
                 raw = read_head(path, 64)
             except FileNotFoundError:
                 continue
-            forged = False
-            if self._auth is None:
-                epoch = parse_epoch(raw)
-            else:
-                text = self._auth.open_text(b"epoch:" + self._domain.encode(), ns_seed.hex(), raw.strip())
-                epoch = None if text is None else parse_epoch(text)
-                if epoch is None:
-                    forged = True
-                    self._count("auth_epochs")
+            epoch, forged = self._parse(ns_seed, raw)
+            if forged:
+                self._count("auth_epochs")
             if epoch is None or (ns_seed, epoch) in self.retired:
                 what = "a retired epoch" if epoch is not None else f"no valid epoch ({raw[:32]!r})"
                 if forged:
                     what = f"a value that fails its MAC ({raw[:32]!r})"
                 log.warning("kvstrata epochs: %s holds %s; starting a new epoch "
                             "(older blocks of this namespace become misses)", path, what)
-                self._replace(ns_seed, epoch)
+                self._replace(ns_seed, epoch, raw)
                 continue
             self._cache[ns_seed] = (stamp, epoch)
             return epoch
         raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable epoch")
+
+    def _parse(self, ns_seed: bytes, raw: bytes) -> tuple[int | None, bool]:
+        """The epoch an epoch file's bytes hold (None: none), and whether they failed their MAC."""
+        if self._auth is None:
+            return parse_epoch(raw), False
+        text = self._auth.open_text(b"epoch:" + self._domain.encode(), ns_seed.hex(), raw.strip())
+        epoch = None if text is None else parse_epoch(text)
+        return epoch, epoch is None
 
     def _count(self, kind: str) -> None:
         if self._counters is not None:
@@ -144,13 +153,77 @@ class FileEpochs(PolledEpochs):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _replace(self, ns_seed: bytes, old: int | None) -> None:
+    def _replace(self, ns_seed: bytes, old: int | None, raw: bytes | None) -> None:
+        """Repair a bad value (``raw``; None: not a regular file) with a fresh epoch, unless
+        another process changed the file meanwhile (it repaired it, or bumped it)."""
         if old is not None:
             self.retired.add(ns_seed, old)
-        self._write(ns_seed, new_epoch())
+        path = self._path(ns_seed)
+        with self._locked(ns_seed):
+            if self._holds(path, raw):
+                write_atomic(path, self._text(ns_seed, new_epoch()), self._file_mode)
 
-    def _write(self, ns_seed: bytes, epoch: int) -> None:
-        write_atomic(self._path(ns_seed), self._text(ns_seed, epoch), self._file_mode)
+    @staticmethod
+    def _holds(path: Path, raw: bytes | None) -> bool:
+        """Whether ``path`` still holds ``raw`` (None: something that is not a regular file)."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            return raw is None
+        try:
+            return raw is not None and read_head(path, 64) == raw
+        except OSError:
+            return False
+
+    def _write(self, ns_seed: bytes, epoch: int, expected: int | None) -> bool:
+        path = self._path(ns_seed)
+        with self._locked(ns_seed):
+            if expected is not None:
+                try:
+                    stored = self._parse(ns_seed, read_head(path, 64))[0]
+                except OSError:  # missing, or not a regular file: the next read repairs it
+                    stored = None
+                if stored != expected:
+                    return False
+            write_atomic(path, self._text(ns_seed, epoch), self._file_mode)
+            return True
+
+    @contextlib.contextmanager
+    def _locked(self, ns_seed: bytes) -> Iterator[None]:
+        """Hold the namespace's lock file, the one way to change its epoch file but creating it.
+        Raises ``OSError`` when another process holds it for ``_LOCK_WAIT_S``."""
+        path = self._root / f"{ns_seed.hex()}.lock"
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 self._file_mode))
+                break
+            except FileExistsError:
+                pass
+            try:
+                age = time.time() - os.lstat(path).st_mtime
+            except FileNotFoundError:
+                continue  # released meanwhile
+            if age > _LOCK_STALE_S:  # renamed first: of two processes breaking it, one does
+                stale = temp_name(path, "stale")
+                with contextlib.suppress(OSError):
+                    os.rename(path, stale)
+                    log.warning("kvstrata epochs: broke %s, left %.0f s ago by a process that did not release it",
+                                path, age)
+                    stale.unlink()
+                continue
+            if time.monotonic() > deadline:
+                raise OSError(f"kvstrata epochs: {path} is held by another process ({age:.1f} s old); cannot change "
+                              "the epoch now")
+            time.sleep(0.002)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def describe(self, ns_seed: bytes, blob: bytes) -> None:
         if self._auth is not None:

@@ -32,8 +32,8 @@ _EPOCH_BYTES = 64  # an epoch is at most 20 digits; read no more than this of an
 
 
 class RedisEpochs(PolledEpochs):
-    """Namespace epochs in Redis (see ``epochs``): ``SET NX`` creates, ``SET`` bumps, and a
-    PUBLISH tells every instance to re-read at once.
+    """Namespace epochs in Redis (see ``epochs``): ``SET NX`` creates, a compare-and-set (a Lua
+    script) bumps, and a PUBLISH tells every instance to re-read at once.
 
     The value is the epoch as decimal text. A missing key (evicted, lost in a restart,
     flushed) is lost state: the first reader creates a fresh epoch with ``SET NX`` and every
@@ -111,13 +111,8 @@ class RedisEpochs(PolledEpochs):
                 created = True
                 client.set(key, self._seal(ns_seed, new_epoch()), nx=True)
                 continue
-            forged = False
-            if self._auth is None:
-                epoch = parse_epoch(raw)
-            else:
-                text = self._auth.open_text(b"epoch", key, raw)
-                epoch = None if text is None else parse_epoch(text)
-                forged = epoch is None
+            epoch = self._parse(key, raw)
+            forged = epoch is None and self._auth is not None
             if epoch is not None and (ns_seed, epoch) not in self.retired:
                 return epoch
             if forged:
@@ -136,8 +131,34 @@ class RedisEpochs(PolledEpochs):
         reject("remote_unstable_epochs", "%s changed under every repair; no epoch confirmed", key)
         return None
 
-    def _write(self, ns_seed: bytes, epoch: int) -> None:
-        self._tier.client.set(self._key(ns_seed), self._seal(ns_seed, epoch))
+    def _write(self, ns_seed: bytes, epoch: int, expected: int | None) -> bool:
+        """A ``SET``, or with ``expected`` a compare-and-set: the value is read, and replaced by
+        ``_CAS`` only if it still begins with what was read (two round trips; bumps are rare)."""
+        client, key = self._tier.client, self._key(ns_seed)
+        if expected is None:
+            client.set(key, self._seal(ns_seed, epoch))
+            return True
+        try:
+            raw = client.getrange(key, 0, _EPOCH_BYTES - 1)
+        except Exception as e:
+            if is_wrong_type(e):  # not an epoch: the next read repairs it
+                return False
+            raise
+        if self._parse(key, raw) != expected:
+            return False
+        try:
+            return bool(client.eval(self._CAS, 1, key, raw, self._seal(ns_seed, epoch), _EPOCH_BYTES))
+        except Exception as e:  # it changed type meanwhile
+            if is_wrong_type(e) or "WRONGTYPE" in str(e):
+                return False
+            raise
+
+    def _parse(self, key: str, raw: bytes) -> int | None:
+        """The epoch a value holds, its MAC checked with a secret; None for anything else."""
+        if self._auth is None:
+            return parse_epoch(raw)
+        text = self._auth.open_text(b"epoch", key, raw)
+        return None if text is None else parse_epoch(text)
 
     def _announce(self, ns_seed: bytes) -> None:
         try:

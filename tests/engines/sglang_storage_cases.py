@@ -172,6 +172,10 @@ def test_storage_clear_hides_pages_from_every_process(tmp_path, storages):
     assert b.batch_exists(keys, extra_info([])) == 3
     assert a.clear() is True
     assert a.batch_exists(keys, extra_info([])) == 0 and b.batch_exists(keys, extra_info([])) == 0
+    # A flush, not a weights change (SGLang clears its backend only when no weights change): the
+    # other process goes on at once under the new epoch, saving and serving, with no reset of its own.
+    assert all(b.batch_set_v1(keys, _pages(b.mem_pool_host, 0, 3), extra_info([])))
+    assert a.batch_exists(keys, extra_info([])) == 3
 
 
 def test_storage_legacy_flat_pages_round_trip(tmp_path, storages):

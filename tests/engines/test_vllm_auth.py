@@ -31,7 +31,8 @@ from kvstrata.auth import Auth
 from kvstrata.blockfmt import HEADER, HEADER_SIZE, payload_checksum, unpack_header
 from kvstrata.config import load_config
 from kvstrata.describe import decode as decode_descriptor
-from kvstrata.keys import chain_keys, extra_digest, root_key
+from kvstrata.keys import extra_digest
+from kvstrata.store import open_keys
 from engines.conftest import BS, LONG, gen
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
@@ -92,7 +93,10 @@ def forge(client: redis.Redis, case: str, keys: list[bytes]) -> None:
 def test_engine_refuses_forged_values_and_never_hits_another_tenants_blocks(model, baseline, vllm_engine, tmp_path):
     with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
         client = redis.Redis.from_url(url)
-        engine = vllm_engine(auth_config(tmp_path, url), name="auth")
+        config = auth_config(tmp_path, url)
+        keys = open_keys(load_config(config))  # the engine's key scheme, keyed by SECRET_A
+        assert keys.keyed
+        engine = vllm_engine(config, name="auth")
         steps: list[dict] = []
         for salt in [*(f"case-{c}" for c in CASES), "tenant", *(f"filler-{i}" for i in range(FILLERS))]:
             steps += [gen(LONG, salt=salt), {"op": "sleep", "s": 0.3}]
@@ -108,8 +112,8 @@ def test_engine_refuses_forged_values_and_never_hits_another_tenants_blocks(mode
         assert not list(client.scan_iter("kvstrata:{*")), "an authenticated engine wrote outside its key space"
 
         def keys_of(salt: str) -> list[bytes]:
-            return chain_keys(root_key(seed, epoch), np.array(LONG, np.uint32), BS, extra_digest([f"salt:{salt}"]),
-                              partial=False).keys
+            return keys.chain_keys(keys.root_key(seed, epoch), np.array(LONG, np.uint32), BS,
+                                   extra_digest([f"salt:{salt}"]), partial=False).keys
 
         for case in CASES:
             forge(client, case, keys_of(f"case-{case}"))

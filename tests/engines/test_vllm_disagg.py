@@ -261,15 +261,16 @@ def test_decode_never_computes_a_prompt_block_the_prefill_published(pairs, basel
 
 
 def test_reset_on_the_prefill_server_hides_older_blocks_from_the_decode_server(pairs, baseline):
-    """Scenario: a prompt is published; the prefill server resets its prefix cache and kvstrata's
-    (``reset_prefix_cache(reset_connector=True)``: a new epoch in Redis). The decode server, its
-    own prefix cache reset too, then loads nothing of the prompt (its blocks are of the older
-    epoch): it computes it, answers as vLLM alone and stores what it computed, under the new
-    epoch, where the next request through the router finds it."""
+    """Scenario: a prompt is published; both servers reset their prefix cache and kvstrata's, as
+    after a weight update (``reset_prefix_cache(reset_connector=True)``: the prefill server's
+    makes a new epoch in Redis, the decode server's joins it; a server that did not reset would
+    serve and save nothing: kvstrata.joins). The decode server then loads nothing of the prompt
+    (its blocks are of the older epoch): it computes it, answers as vLLM alone and stores what it
+    computed, under the new epoch, where the next request through the router finds it."""
     pair = pairs("redis")
     p, s = clear_prompts(baseline, 32, 1, 500, 501)[0], salt()
     assert pair.send([p], s)[0].cached_tokens == len(p) - 1
-    for server, query in ((pair.prefill, "?reset_external=true"), (pair.decode, "")):
+    for server, query in ((pair.prefill, "?reset_external=true"), (pair.decode, "?reset_external=true")):
         deadline = time.monotonic() + 30
         while not json.loads(server.post("/reset_prefix_cache" + query))["success"]:
             assert time.monotonic() < deadline, "reset refused for 30 s"

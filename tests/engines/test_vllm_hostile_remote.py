@@ -17,7 +17,9 @@ import redis
 
 import redisutil
 from kvstrata.blockfmt import HEADER_SIZE, pack_header, payload_checksum, unpack_header
-from kvstrata.keys import chain_keys, extra_digest, root_key
+from kvstrata.config import load_config
+from kvstrata.keys import extra_digest
+from kvstrata.store import open_keys
 from engines.conftest import BS, LONG, StepEngine, gen
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
@@ -81,7 +83,9 @@ def epoch_value(client: redis.Redis, case: str, key: str, seed_hex: str) -> None
 def test_engine_serves_every_request_right_while_redis_holds_hostile_values(model, baseline, tmp_path):
     with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
         client = redis.Redis.from_url(url)
-        with StepEngine(model, tmp_path, hostile_config(tmp_path, url), name="hostile") as engine:
+        config = hostile_config(tmp_path, url)
+        keys = open_keys(load_config(config))  # the engine's key scheme
+        with StepEngine(model, tmp_path, config, name="hostile") as engine:
             steps: list[dict] = []
             for case in BLOCK_CASES:
                 steps += [gen(LONG, salt=f"block-{case}"), {"op": "sleep", "s": 0.3}]
@@ -91,11 +95,11 @@ def test_engine_serves_every_request_right_while_redis_holds_hostile_values(mode
             epoch_keys = list(client.scan_iter("kvstrata:epoch:*"))
             assert len(epoch_keys) == 1, epoch_keys
             seed_hex = epoch_keys[0].decode().rsplit(":", 1)[1]
-            root = root_key(bytes.fromhex(seed_hex), int(client.get(epoch_keys[0])))
+            root = keys.root_key(bytes.fromhex(seed_hex), int(client.get(epoch_keys[0])))
             for case in BLOCK_CASES:
-                keys = chain_keys(root, np.array(LONG, np.uint32), BS, extra_digest([f"salt:block-{case}"]),
-                                  partial=False).keys
-                names = [f"kvstrata:{{{k.hex()}}}:p" for k in keys]
+                chain = keys.chain_keys(root, np.array(LONG, np.uint32), BS, extra_digest([f"salt:block-{case}"]),
+                                        partial=False)
+                names = [f"kvstrata:{{{k.hex()}}}:p" for k in chain.keys]
                 assert all(client.exists(n) for n in names), f"{case}: the engine did not store every block"
                 block_value(client, case, names[BAD_BLOCK], names[BAD_BLOCK + 2])
             # vLLM's own prefix cache reset: from here kvstrata answers

@@ -26,7 +26,9 @@ import pytest
 import xxhash
 
 from kvstrata.blockfmt import HEADER, HEADER_SIZE, MAGIC, FormatError, unpack_header
-from kvstrata.keys import FORMAT_VERSION, NO_EXTRA, chain_keys, extra_digest, root_key
+from kvstrata.config import load_config
+from kvstrata.keys import FORMAT_VERSION, NO_EXTRA, KeyScheme, extra_digest
+from kvstrata.store import open_keys
 from engines.conftest import BS, LONG, StepEngine, gen
 
 pytest.importorskip("vllm")
@@ -122,16 +124,16 @@ def _atime_tracked(folder: Path) -> bool:
     return moved
 
 
-def _tier_root_key(l2: Path) -> bytes:
+def _tier_root_key(l2: Path, keys: KeyScheme) -> bytes:
     """The key before the first block of every prompt stored in ``l2`` (one namespace, epoch)."""
     block = next((l2 / "blocks").glob("*/*.kvb"))
     meta = unpack_header(block.read_bytes()[:HEADER_SIZE])
-    return root_key(meta.ns_seed, meta.epoch)
+    return keys.root_key(meta.ns_seed, meta.epoch)
 
 
-def _keys(root: bytes, salt: str | None) -> list[bytes]:
+def _keys(keys: KeyScheme, root: bytes, salt: str | None) -> list[bytes]:
     extra = extra_digest([f"salt:{salt}"]) if salt else NO_EXTRA
-    return chain_keys(root, np.array(LONG, np.uint32), BS, extra, partial=True).keys
+    return keys.chain_keys(root, np.array(LONG, np.uint32), BS, extra, partial=True).keys
 
 
 def _block(l2: Path, key: bytes) -> Path:
@@ -171,7 +173,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def _plant(l2: Path, outside: Path) -> tuple[dict[str, str], dict[Path, tuple], list[Path]]:
+def _plant(l2: Path, outside: Path, keys: KeyScheme) -> tuple[dict[str, str], dict[Path, tuple], list[Path]]:
     """Plant the L2 folder a first engine filled with LONG (no salt) and LONG under each of
     ``CANDIDATES``. Four candidates get roles; what is done to their first block file:
 
@@ -188,11 +190,11 @@ def _plant(l2: Path, outside: Path) -> tuple[dict[str, str], dict[Path, tuple], 
     a block, and foreign files and folders. Returns the roles (salts), the entries that must come
     out of everything unchanged (and what they are), and the entries at names of blocks the engine
     later saves itself (Y's link, Z's FIFO): kvstrata may replace those with its own block."""
-    root = _tier_root_key(l2)
-    served = {k.hex()[:2] for k in _keys(root, None)}
-    firsts = {salt: _keys(root, salt)[0] for salt in CANDIDATES}
+    root = _tier_root_key(l2, keys)
+    served = {k.hex()[:2] for k in _keys(keys, root, None)}
+    firsts = {salt: _keys(keys, root, salt)[0] for salt in CANDIDATES}
     for salt in [None, *CANDIDATES]:
-        assert all(_block(l2, k).is_file() for k in _keys(root, salt)), f"the first engine did not store {salt}"
+        assert all(_block(l2, k).is_file() for k in _keys(keys, root, salt)), f"the first engine did not store {salt}"
     # X's shard may hold no block LONG needs and no other candidate's first block.
     x = next((s for s, k in firsts.items() if k.hex()[:2] not in served
               and all(o.hex()[:2] != k.hex()[:2] for t, o in firsts.items() if t != s)), None)
@@ -294,7 +296,7 @@ def test_vllm_serves_from_a_planted_tier_folder_and_check_fix_touches_nothing_fo
         stored = first.run([gen(LONG), *[gen(LONG, salt=s) for s in CANDIDATES]])
     assert all(r["tokens"] == baseline(LONG) for r in stored)
 
-    roles, keep, replaceable = _plant(l2, outside)
+    roles, keep, replaceable = _plant(l2, outside, open_keys(load_config(cfg)))  # the engine's key scheme
     before = _outside(outside)
     tracked = _atime_tracked(tmp_path)
     atimes = _age_atimes([outside / rel for rel in before] + [outside])

@@ -142,8 +142,8 @@ class RankHarness:
         """Per stored block of ``prompt``: is its index row pinned?"""
         keys = self.store.lookup(self.side.ns, prompt).chain.keys
         idx = self.store.index
-        with idx._lock:  # the index's own view: expired leases released first, as its calls do
-            idx._expire_leases()
+        with idx._lock:  # the index's own view: dropped leases released first, as its calls do
+            idx._reap()
             return [bool(idx._pins[int(row)]) for row in idx.rows_of(keys)]
 
 

@@ -7,7 +7,8 @@ mean little). Baselines:
   store must do per block);
 - ``pwrite`` / ``pread``: per block, ``os.open`` + one ``pwrite``/``pread`` + ``os.close`` of a file
   in the same folder (the least a file-per-block tier must do; no fsync on either side);
-- ``engine_hash``: vLLM's own ``hash_block_tokens`` with sha256 over the same token blocks.
+- ``engine_hash``: vLLM's own ``hash_block_tokens`` with sha256 over the same token blocks, beside
+  a whole-prompt lookup in a store of each key scheme (``store_lookup``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import xxhash
 
 from kvstrata.config import load_config
 from kvstrata.index import BlockIndex, EntryMeta
-from kvstrata.keys import Namespace
+from kvstrata.keys import DEFAULT_KEY_SCHEME, SCHEMES, Namespace
 from kvstrata.store import BlockStore
 
 GB = 1e9
@@ -139,42 +140,6 @@ def _memory_and_disk(block_bytes: int, total: int, rounds: int, tmp: Path) -> di
     return {f"{k}_gbps": round(nbytes / statistics.median(v[1:]) / GB, 3) for k, v in res.items()}
 
 
-def _lookup(n_blocks: int, rounds: int, tmp: Path) -> dict[str, float | None]:
-    store = _store(tmp, 64 * (n_blocks + 1), l2=False)
-    ns = _ns(16)
-    tokens = np.random.default_rng(0).integers(0, 150_000, n_blocks * 16, dtype=np.uint32)
-    epoch, chain = store.chain(ns, tokens)
-    store.save_now(ns, epoch, chain, torch.zeros((n_blocks, 64), dtype=torch.uint8))
-
-    def lookup() -> None:
-        hit = store.lookup(ns, tokens)
-        assert hit.num_blocks == n_blocks
-
-    ours = _median_time(lookup, rounds) * 1e6 * 1000 / n_blocks
-    store.close()
-    engine = _engine_hash_us(tokens, n_blocks, rounds)
-    return {"lookup_us_per_1k_blocks": round(ours, 1),
-            "engine_hash_us_per_1k_blocks": None if engine is None else round(engine, 1)}
-
-
-def _engine_hash_us(tokens: np.ndarray, n_blocks: int, rounds: int) -> float | None:
-    """vLLM's own prefix hashing (sha256) over the same blocks, as the scheduler runs it."""
-    try:
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
-    except ImportError:
-        return None
-    init_none_hash(sha256)
-    ids = tokens.tolist()
-
-    def engine() -> None:
-        parent = None
-        for i in range(n_blocks):
-            parent = hash_block_tokens(sha256, parent, ids[i * 16 : (i + 1) * 16], None)
-
-    return _median_time(engine, rounds) * 1e6 * 1000 / n_blocks
-
-
 def _index_bytes(n: int) -> dict[str, float]:
     """Traced bytes of a BlockIndex holding ``n`` entries, divided by ``n``.
 
@@ -217,7 +182,14 @@ def run(quick: bool = False, progress: bool = True, scale: int | None = None) ->
         out["by_block_size"] = by_size
         if progress:
             print("  lookup ...", flush=True)
-        out.update(_lookup(1000, 7 if quick else 25, tmp))
+        from .store_lookup import lookup_fields
+
+        out.update(lookup_fields(1000, 15 if quick else 61, tmp))
+        if progress:
+            for name in SCHEMES:
+                print(f"    {name}: {out[f'lookup_us_per_1k_blocks_{name}']} us per 1k blocks, "
+                      f"{out[f'lookup_vs_engine_hash_{name}']} of vLLM's own hashing "
+                      f"({out['engine_hash_us_per_1k_blocks']} us)", flush=True)
         if progress:
             print("  index memory ...", flush=True)
         out.update(_index_bytes(200_000 if quick else 1_000_000))  # per entry: the same at either size
@@ -252,9 +224,9 @@ def _ratios(r: dict[str, object]) -> dict[str, float | None]:
             "disk_get_vs_pread": ("disk_get_gbps", "pread_gbps"),
         }.items()
     }
-    eng = r.get("engine_hash_us_per_1k_blocks")
-    worst["lookup_vs_engine_hash"] = None if eng is None else ratio(
-        "lookup_us_per_1k_blocks", "engine_hash_us_per_1k_blocks", r)
+    for name in SCHEMES:  # medians of each round's ratio (``store_lookup``)
+        worst[f"lookup_vs_engine_hash_{name}"] = r[f"lookup_vs_engine_hash_{name}"]  # type: ignore[assignment]
+    worst["lookup_vs_engine_hash"] = worst[f"lookup_vs_engine_hash_{DEFAULT_KEY_SCHEME}"]
     if "open_ms_at_1m" in r:
         worst["open_at_1m_vs_empty"] = ratio("open_ms_at_1m", "open_ms_empty", r)
         worst["lookup_at_1m_vs_small_index"] = ratio("lookup_us_per_1k_blocks_at_1m",

@@ -35,7 +35,7 @@ from kvstrata.blockfmt import HEADER_SIZE, pack_header, payload_checksum
 from kvstrata.check import check_disk
 from kvstrata.config import load_config
 from kvstrata.index import BlockIndex, EntryMeta
-from kvstrata.keys import NO_EXTRA, Namespace, chain_keys, root_key
+from kvstrata.keys import NO_EXTRA, Namespace
 from kvstrata.store import BlockStore
 from kvstrata.tiers.folder import block_name
 
@@ -55,9 +55,9 @@ def _prompt(i: int) -> np.ndarray:
 def _generate(root: Path, ns: Namespace, n: int, progress: bool) -> None:
     """``n`` blocks (``n // PROMPT_BLOCKS`` prompts) in ``root``, sparse, in the disk format."""
     with BlockStore(_config(root, n)) as store:  # type: ignore[arg-type]  # the folders and the namespace's epoch
-        epoch = store.current_epoch(ns)
-    root_k = root_key(ns.seed, epoch)
-    chains = (chain_keys(root_k, _prompt(i), 16, NO_EXTRA, partial=False) for i in range(n // PROMPT_BLOCKS))
+        epoch, keys = store.current_epoch(ns), store.keys  # the keys its lookups will compute
+    root_k = keys.root_key(ns.seed, epoch)
+    chains = (keys.chain_keys(root_k, _prompt(i), 16, NO_EXTRA, partial=False) for i in range(n // PROMPT_BLOCKS))
     checksum = payload_checksum(bytes(SCALE_BLOCK_BYTES))
     blocks = str(root / "blocks")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -145,7 +145,7 @@ def scale_fields(n: int, tmp: Path, progress: bool = True) -> dict[str, object]:
 
 
 def _lookup_us(stores: list[BlockStore], n_blocks: int, rounds: int = 201) -> list[float]:
-    """The ``lookup_us_per_1k_blocks`` measure (``store._lookup``) in each store, in turn."""
+    """The ``lookup_us_per_1k_blocks`` measure (``store_lookup``) in each store, in turn."""
     ns = Namespace("bench", "bench-model", "v1", "bfloat16", "bench", 16)
     tokens = np.random.default_rng(0).integers(0, 150_000, n_blocks * 16, dtype=np.uint32)
     for store in stores:

@@ -124,7 +124,8 @@ class Actor:
         self.tally.add("loads")
         self.tally.add("hit_blocks", n)
         self.tally.add("loads_checked", got)
-        wrong, stale, why = check_load(ns, tokens, hit.epoch, hit.chain.lengths, out[:got], started, self.w.oracle)
+        wrong, stale, why = check_load(self.w.keys, ns, tokens, hit.epoch, hit.chain.lengths, out[:got], started,
+                                       self.w.oracle)
         what = f"ns {ns.model} tokens {tokens.tolist()} epoch {hit.epoch} lengths {hit.chain.lengths} loaded {got}"
         if wrong:
             self.tally.event("wrong", wrong, what)

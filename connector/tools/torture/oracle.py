@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstrata.keys import Namespace, block_key, chain_keys, root_key
+from kvstrata.keys import KeyScheme, Namespace
 
 from .world import PAYLOAD_BYTES
 
@@ -24,19 +24,21 @@ def payloads_of(keys: Sequence[bytes], size: int = PAYLOAD_BYTES) -> np.ndarray:
     return np.tile(k, (1, size // 16)) ^ _RAMP[:size]
 
 
-def expected_keys(ns: Namespace, epoch: int, tokens: np.ndarray, lengths: Sequence[int]) -> list[bytes | None]:
-    """The keys of a hit of ``lengths`` on ``tokens`` under ``epoch``, recomputed from
-    the tokens: full blocks from the chain, a last block shorter than a block from its tokens.
+def expected_keys(keys: KeyScheme, ns: Namespace, epoch: int, tokens: np.ndarray,
+                  lengths: Sequence[int]) -> list[bytes | None]:
+    """The keys of a hit of ``lengths`` on ``tokens`` under ``epoch``, recomputed from the tokens
+    with ``keys`` (the scheme the store's config names, built from the config, not asked of the
+    store): full blocks from the chain, a last block shorter than a block from its tokens.
     None where the lengths cannot describe a prefix of ``tokens`` (no payload can match)."""
     bs = ns.block_size
-    root = root_key(ns.seed, epoch)
-    full = chain_keys(root, tokens, bs, partial=False, limit=len(lengths)).keys
+    root = keys.root_key(ns.seed, epoch)
+    full = keys.chain_keys(root, tokens, bs, partial=False, limit=len(lengths)).keys
     out: list[bytes | None] = []
     for i, n in enumerate(lengths):
         if n == bs and i < len(full):
             out.append(full[i])
         elif 0 < n < bs and i == len(lengths) - 1 and i <= len(full) and i * bs + n <= len(tokens):
-            out.append(block_key(full[i - 1] if i else root, tokens[i * bs : i * bs + n])[0])
+            out.append(keys.block_key(full[i - 1] if i else root, tokens[i * bs : i * bs + n])[0])
         else:
             out.append(None)
     return out
@@ -94,18 +96,18 @@ class RetiredLog:
         return sorted(why for why, done in seen.items() if done + self.grace_ns < started_ns)
 
 
-def check_load(ns: Namespace, tokens: np.ndarray, epoch: int, lengths: Sequence[int], out: np.ndarray,
-               started_ns: int, oracle: RetiredLog) -> tuple[int, int, list[str]]:
+def check_load(keys: KeyScheme, ns: Namespace, tokens: np.ndarray, epoch: int, lengths: Sequence[int],
+               out: np.ndarray, started_ns: int, oracle: RetiredLog) -> tuple[int, int, list[str]]:
     """(wrong, stale, how the epoch was retired) for the loaded blocks ``out``
     (``[n, PAYLOAD_BYTES]``) of a hit of ``lengths`` under ``epoch``, looked up from ``started_ns``."""
     n = len(out)
     if not n:
         return 0, 0, []
-    keys = expected_keys(ns, epoch, tokens, lengths[:n])
-    known = [i for i, k in enumerate(keys) if k is not None]
+    expected = expected_keys(keys, ns, epoch, tokens, lengths[:n])
+    known = [i for i, k in enumerate(expected) if k is not None]
     wrong = n - len(known)
     if known:
-        want = payloads_of([k for k in keys if k is not None])
+        want = payloads_of([k for k in expected if k is not None])
         wrong += int((out[known] != want).any(axis=1).sum())
     why = oracle.retired_before(epoch, started_ns)
     return wrong, n if why else 0, why

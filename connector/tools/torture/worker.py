@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.keys import Namespace, as_tokens, block_key, root_key
+from kvstrata.keys import Namespace, as_tokens
 
 from .actor import Actor
 from .oracle import RetiredLog
@@ -61,13 +61,15 @@ class Worker:
     """The threads of one worker process and the state they share (store, oracle, counts)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        from kvstrata.store import BlockStore
+        from kvstrata.store import BlockStore, open_keys
 
         self.spec = spec
         self.run_dir = Path(spec["run"])
         self.l2 = Path(spec["l2"])
         self.key_bits = 16 if spec["wid"] % 2 else 128
-        self.store = BlockStore(store_config(spec, self.key_bits))
+        config = store_config(spec, self.key_bits)
+        self.store = BlockStore(config)
+        self.keys = open_keys(config)  # the oracle's own: keys recomputed from the config, not the store
         self.oracle = RetiredLog(self.run_dir / "retired.log", spec["grace_s"])
         self.tally = Tally(self.run_dir, spec["wid"], self.store)
         self.universe = build_universe(spec["seed"])
@@ -97,12 +99,12 @@ class Worker:
                 return found
         kb = self.key_bits // 8
         rng = random.Random(f"collide-{self.spec['seed']}")
-        root = root_key(ns.seed, epoch)
+        root = self.keys.root_key(ns.seed, epoch)
         seen: dict[bytes, np.ndarray] = {}
         pairs = []
         for _ in range(2000):
             toks = as_tokens([rng.randrange(1000, 60000) for _ in range(BLOCK_TOKENS)])
-            short = block_key(root, toks)[0][:kb]
+            short = self.keys.block_key(root, toks)[0][:kb]
             other = seen.setdefault(short, toks)
             if other is not toks:
                 pairs.append((other, toks))
