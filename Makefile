@@ -10,7 +10,7 @@ TINY := .cache/models/tiny-$(shell sha1sum examples/make_tiny_model.py | cut -c1
 demo:
 	scripts/setup.sh demo
 	@if [ -z "$(MODEL)" ]; then .venv/bin/python examples/make_tiny_model.py $(TINY) --preset tiny; fi
-	.venv/bin/kvstrata demo --model $(or $(MODEL),$(TINY)) --config $(CONFIG)
+	.venv/bin/kvstrata demo --model $(or $(MODEL),$(TINY)) --config $(CONFIG) $(if $(MODEL),,--dtype float32)
 
 test:
 	scripts/setup.sh test

@@ -253,7 +253,7 @@ def simulate(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     from .tools.demo import run
 
-    return run(args.model, args.config, args.prompt_tokens)
+    return run(args.model, args.config, args.prompt_tokens, args.dtype)
 
 
 def _named(argv: Sequence[str]) -> str:
@@ -350,6 +350,9 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     dm.add_argument("--model", required=True, help="model folder (examples/make_tiny_model.py builds one)")
     dm.add_argument("--config", default=None, help="kvstrata YAML (default: the embedded default)")
     dm.add_argument("--prompt-tokens", type=int, default=3000, help="prompt length (default 3000)")
+    dm.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="vLLM's --dtype (default auto: the model's); make demo runs its random-weight model in "
+                         "float32, where no rounding difference between compute paths flips a greedy token")
     add(sub, "torture", "stress test: several processes try to make the store serve wrong or stale KV")
     return p
 

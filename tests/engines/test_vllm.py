@@ -150,7 +150,7 @@ def test_connector_name_alone_works_through_the_plugin_entry_point(disk_pair, ba
 def test_demo_serves_the_prompt_from_disk_after_a_restart(model, tmp_path):
     """Scenario: the README's main job, on the real OpenAI server, end to end."""
     res = run_command([sys.executable, "-m", "kvstrata.cli", "demo", "--model", model, "--config",
-                      str(disk_config(tmp_path)), "--prompt-tokens", "1000"],
+                      str(disk_config(tmp_path)), "--prompt-tokens", "1000", "--dtype", "float32"],
                       timeout=850)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "greedy outputs identical: True" in " ".join(res.stdout.split())
