@@ -23,11 +23,11 @@ import torch
 import yaml
 
 import redisutil
+from test_staleness import Shared as StalenessShared
 from kvstrata import BlockStore, Namespace, cli
 from kvstrata.config import load_config
-from kvstrata.epochs import Retired, generation, new_epoch, new_generation
+from kvstrata.epochs import generation, new_epoch, new_generation
 from kvstrata.metrics import SOURCES
-from kvstrata.polled_epochs import PolledEpochs, T
 from kvstrata.stats_view import render
 
 NS = Namespace("test", "tiny", "v1", "bfloat16", "4x[2,16,64]", 16)
@@ -296,38 +296,13 @@ def test_the_join_state_is_exported_as_metrics():
 
 
 # ------------------------------------------------------------ the rule, on epochs in a dict
-class Dict(PolledEpochs):
-    """Epoch state in a dict that can be made unreachable."""
+class Dict(StalenessShared):
+    """Epoch state in a dict that can be made unreachable (test_staleness's, reads never late),
+    holding an epoch of a weights generation."""
 
     def __init__(self) -> None:
-        super().__init__(Retired(), refresh_s=0.0, bound_s=1.0)
+        super().__init__(refresh_s=0.0, bound_s=1.0)
         self.value = new_epoch(new_generation())
-        self.down = False
-
-    def _read(self, ns_seed: bytes) -> int | None:
-        if self.down:
-            raise OSError("unreachable")
-        return self.value
-
-    def _write(self, ns_seed: bytes, epoch: int, expected: int | None) -> bool:
-        if self.down:
-            raise OSError("unreachable")
-        if expected is not None and self.value != expected:
-            return False
-        self.value = epoch
-        return True
-
-    def _attempt(self, fn: Callable[[], T], default: T) -> T:
-        try:
-            return fn()
-        except OSError:
-            return default
-
-    def describe(self, ns_seed: bytes, blob: bytes) -> None:
-        pass
-
-    def descriptor(self, ns_seed: bytes) -> bytes | None:
-        return None
 
 
 def test_a_reset_written_late_joins_a_reset_made_meanwhile_instead_of_replacing_it():

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
-
-import pytest
 
 from engines.conftest import needs_sglang, sglang_probe
 
