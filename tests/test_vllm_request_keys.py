@@ -136,6 +136,18 @@ def test_mixed_prompt_embedding_blocks_are_keyed_on_their_rows():
     assert_never_smaller(one, plain_zeros)
 
 
+def test_prompts_of_embeddings_alone_are_keyed_on_their_rows_in_every_block():
+    """No token ids at all (vLLM keys them on zeros and each block's rows): other rows anywhere,
+    another key from that block on; the same rows, the same keys."""
+    rows = torch.randn(len(PROMPT), 8, generator=torch.Generator().manual_seed(5))
+    other = rows.clone()
+    other[50] += 1.0  # block 3 (48..63) differs
+    k1, k2 = keys_of(request(None, embeds=rows)), keys_of(request(None, embeds=other))
+    assert k1[:3] == k2[:3] and all(a != b for a, b in zip(k1[3:], k2[3:]))
+    assert keys_of(request(None, embeds=rows.clone(), rid="again")) == k1
+    assert_never_smaller(request(None, embeds=rows), request(None, embeds=other))
+
+
 def test_a_tail_block_is_keyed_on_the_inputs_of_its_own_range():
     """The partial tail of a mixed prompt whose embeddings reach into it gets its rows' digest."""
     rows = torch.zeros(len(PROMPT), 8)
