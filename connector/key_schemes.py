@@ -8,9 +8,11 @@ says what goes into a key and why; it re-exports all of this.
 from __future__ import annotations
 
 import struct
+from abc import ABC, abstractmethod
 from itertools import accumulate
 from typing import Callable, ClassVar, Sequence
 
+import blake3
 import numpy as np
 import xxhash
 
@@ -25,7 +27,7 @@ _h64 = xxhash.xxh3_64_intdigest
 KeyFp = Callable[[bytes], "tuple[bytes, int]"]
 
 
-class KeyScheme:
+class KeyScheme(ABC):
     """How block keys and fingerprints are computed: a scheme names the hash (``name``), roots a
     namespace's chain (``root_key``, ``group_root``), hashes one block's data into its key and
     fingerprint (``hasher``) and runs a chain (``_chain``, its own loop: the hot path); what goes
@@ -35,32 +37,32 @@ class KeyScheme:
     collision_resistant: ClassVar[bool]
     keyed: bool  # whether a deployment secret keys it (its keys cannot be computed without it)
 
+    @abstractmethod
     def hasher(self) -> KeyFp:
         """A function from one block's data to its (16-byte key, 64-bit fingerprint), for the
         calling thread only (it may keep hashing state between calls): one per chain."""
-        raise NotImplementedError
 
     @staticmethod
+    @abstractmethod
     def namespace_seed(blob: bytes) -> bytes:
         """The 16-byte seed of a namespace's canonical JSON: unkeyed (``keys`` says why)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _chain(self, prev: bytes, blob: bytes, bounds: Sequence[int]) -> tuple[list[bytes], list[int]]:
         """Keys and fingerprints of the blocks ``H(key_{i-1} || blob[bounds[i]:bounds[i + 1]])``,
         ``key_{-1}`` being ``prev``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def root_key(self, ns_seed: bytes, epoch: int) -> bytes:
         """Key of block -1: the namespace seed combined with the namespace's epoch."""
-        raise NotImplementedError
 
+    @abstractmethod
     def group_root(self, root: bytes, tag: bytes) -> bytes:
         """Key of block -1 of one KV-cache group of a hybrid model, under ``root``.
 
         Every group (full attention, sliding window, SSM state) keeps its own chain under the one
         namespace and epoch (``root`` is ``root_key(seed, epoch)``), so a single ``invalidate`` or
         epoch confirmation covers all groups at once; the tag only separates their keys."""
-        raise NotImplementedError
 
     def describe(self) -> str:
         """For the start-up log line; never the secret."""
@@ -176,7 +178,7 @@ class Blake3Keys(KeyScheme):
     _NS_CONTEXT = "kvstrata 2026-12 namespace seed v1"
 
     def __init__(self, secret: bytes | None = None) -> None:
-        b3 = _blake3()
+        b3 = blake3.blake3
         self.keyed = secret is not None
         master = b3(secret or b"", derive_key_context=self._CONTEXT).digest()
         self._blocks = b3(key=b3(b"blocks", key=master).digest())
@@ -209,7 +211,7 @@ class Blake3Keys(KeyScheme):
 
     @staticmethod
     def namespace_seed(blob: bytes) -> bytes:
-        return _blake3()(blob, derive_key_context=Blake3Keys._NS_CONTEXT).digest(16)
+        return blake3.blake3(blob, derive_key_context=Blake3Keys._NS_CONTEXT).digest(16)
 
     def _root(self, kind: bytes, data: bytes) -> bytes:
         h = self._roots.copy()
@@ -221,12 +223,6 @@ class Blake3Keys(KeyScheme):
 
     def group_root(self, root: bytes, tag: bytes) -> bytes:
         return self._root(b"group:", root + tag)
-
-
-def _blake3():  # type: ignore[no-untyped-def]
-    import blake3  # a dependency of kvstrata; imported where a blake3 scheme is made
-
-    return blake3.blake3
 
 
 SCHEMES: dict[str, type[KeyScheme]] = {s.name: s for s in (Blake3Keys, Xxh3Keys)}

@@ -14,10 +14,10 @@ what a prefix hit at a block boundary needs from each group is its ``kind``:
 ``ConfigError`` that says why, what kvstrata cannot serve right. ``grouped_layouts`` says whether
 a model takes that path: any model with a group other than full attention, however many groups it
 has (a model whose only group is a sliding window keeps vLLM's null block before its window, as a
-hybrid does), so every group's kind is checked at start-up and no null block reaches a save. The position helpers never hand
-out vLLM's null block (id 0): vLLM puts it where a group keeps nothing (before a window, between
-SSM states), so saving it would store garbage under a real key, and loading into it would write
-into a block every request shares.
+hybrid does), so every group's kind is checked at start-up and no null block reaches a save. The
+position helpers never hand out vLLM's null block (id 0): vLLM puts it where a group keeps
+nothing (before a window, between SSM states), so saving it would store garbage under a real key,
+and loading into it would write into a block every request shares.
 """
 
 from __future__ import annotations

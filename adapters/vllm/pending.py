@@ -58,6 +58,12 @@ class Admission:
     def __init__(self) -> None:
         self.adapters = AdapterVersions()  # LoRA adapters by content, as this engine loaded them
         self.guard = LocalCacheGuard()  # vLLM's own cached blocks from before this instance's last reset
+        self._unchanged: dict[tuple[int, str, str], bool] = {}  # adapters checked this step
+
+    def new_step(self) -> None:
+        """A new engine step: adapters are checked again (their files stat'ed once per step, not
+        once per request)."""
+        self._unchanged.clear()
 
     def admit(self, request: "Request") -> Pending:
         """A new request's state: its keys (``request_keys``), or none when they cannot be made
@@ -76,8 +82,11 @@ class Admission:
             if not self.guard.fresh(kv_cache_manager, req_id, st.local, block_size):
                 st.saves = False
                 return False
-        if st.adapter is not None and not adapter_unchanged(st.request, self.adapters, st.adapter):
-            st.saves = False
+        if st.adapter is not None:
+            unchanged = self._unchanged.get(st.adapter)
+            if unchanged is None:
+                unchanged = self._unchanged[st.adapter] = adapter_unchanged(st.request, self.adapters, st.adapter)
+            st.saves = unchanged
         return st.saves
 
     def reset(self, live: Iterable[Pending], kv_cache_manager: Any) -> None:

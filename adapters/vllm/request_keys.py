@@ -14,7 +14,11 @@ block's prompt-embedding rows. kvstrata's keys are never smaller than that:
   the image on matches another image.
 
 Whether that second part is needed is asked of vLLM's own function once per request (over the
-whole prompt), so a future vLLM that keys blocks on a new input is covered without a change here.
+whole prompt), so a future vLLM that keys blocks on a new input is covered without a change here;
+a prompt with embedding rows needs it anyway, and is not asked (that would hash every row once
+more: each block's rows are hashed, once, by vLLM and by its own digest). A value of a kind this
+module cannot encode canonically gives its block a random digest (logged once): the block is then
+never shared, never served as another request's.
 The token ids are ``request.all_token_ids``, what vLLM hashes: embedding positions hold 0 there,
 and their rows are in the digest.
 """
@@ -22,6 +26,7 @@ and their rows are in the digest.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -62,15 +67,23 @@ class EngineBlockInputs:
         if out is None:
             keys, _ = generate_block_hash_extra_keys(self._request, start, end, 0)
             own = [k for k in keys or () if not _request_wide(k)]  # the rest is in the base already
-            out = digest16(self._base + encode(own)) if own else self._base
+            try:
+                out = digest16(self._base + encode(own)) if own else self._base
+            except TypeError as e:  # a kind of input no key can name: this block is this request's alone
+                if not _unencodable:
+                    log.warning("%s; such blocks are keyed apart and never shared", e)
+                _unencodable.add(type(e))
+                out = os.urandom(len(self._base))
             self._digests[(start, end)] = out
         return out
 
 
+_unencodable: set[type] = set()  # logged once per process
+
+
 def request_keys(request: "Request", adapters: AdapterVersions) -> RequestKeys | None:
     """The keys of ``request``'s blocks, or None when it must not be served or stored: its LoRA
-    adapter's files changed since this engine loaded it (``AdapterVersions``), or vLLM keys its
-    blocks on a value this module cannot encode canonically."""
+    adapter's files changed since this engine loaded it (``AdapterVersions``)."""
     tokens = np.asarray(request.all_token_ids[: request.num_prompt_tokens], dtype=np.uint32)
     wide: list[object] = []
     if request.cache_salt:
@@ -84,14 +97,10 @@ def request_keys(request: "Request", adapters: AdapterVersions) -> RequestKeys |
         adapter = (lora.lora_int_id, lora.lora_path, version)
         wide.append(f"lora:{lora.lora_name}:{lora.lora_path}:{version}")
     base = extra_digest(wide)
-    keys, _ = generate_block_hash_extra_keys(request, 0, request.num_prompt_tokens, 0)
-    if not keys or all(_request_wide(k) for k in keys):
-        return RequestKeys(tokens, base, adapter)
-    try:
-        encode(keys)  # the kinds of values every block's keys are made of
-    except TypeError as e:
-        log.warning("%s; request %s is neither served nor stored", e, request.request_id)
-        return None
+    if request.prompt_embeds is None:
+        keys, _ = generate_block_hash_extra_keys(request, 0, request.num_prompt_tokens, 0)
+        if not keys or all(_request_wide(k) for k in keys):
+            return RequestKeys(tokens, base, adapter)
     return RequestKeys(tokens, EngineBlockInputs(request, base), adapter)
 
 

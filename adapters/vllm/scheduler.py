@@ -264,15 +264,18 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
-            if st is not None:
-                self.role.planning(st, self.block_size)
-            if st is not None and self._hybrid is not None:
-                if self._may_save(st, req_id):
-                    self._hybrid.plan_saves(req_id, st, n, scheduler_output)
-            elif st is not None and self._may_save(st, req_id):
+            if st is None:
+                continue
+            self.role.planning(st, self.block_size)
+            if not self._may_save(st, req_id):
+                continue
+            if self._hybrid is not None:
+                self._hybrid.plan_saves(req_id, st, n, scheduler_output)
+            else:
                 self._plan_saves(req_id, st, n)
         meta = StrataMetadata(self.arena, self._loads, self._saves, self.role.take_sent())
         self._loads, self._saves = [], []
+        self._admission.new_step()
         return meta
 
     # -- saves
