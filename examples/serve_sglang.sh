@@ -30,7 +30,7 @@ if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   args+=(--device cpu --attention-backend torch_native --disable-cuda-graph
          --max-total-tokens "${MAX_TOTAL_TOKENS:-8192}" --hicache-ratio 2
          --hicache-io-backend direct --hicache-mem-layout layer_first
-         --sleep-on-idle)  # as kvstrata.tools.sglang_server.cpu_flags: an idle scheduler would spin a core
+         --sleep-on-idle)  # as tests.harness.sglang_server.cpu_flags: an idle scheduler would spin a core
 fi
 
 exec "$PYTHON" -m sglang.launch_server "${args[@]}" "$@"

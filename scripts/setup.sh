@@ -61,7 +61,7 @@ services() {
 }
 
 # The working tree's own .pyc files (kvstrata, tests, examples): the same reason as compile_venv.
-own_bytecode() { "$VENV/bin/python" -m compileall -q -j 0 connector adapters tests examples >/dev/null 2>&1 || true; }
+own_bytecode() { "$VENV/bin/python" -m compileall -q -j 0 src tests benchmarks examples >/dev/null 2>&1 || true; }
 
 case "${1:-core}" in
   core) core; own_bytecode ;;

@@ -25,7 +25,7 @@ import torch
 from kvstrata.config import StrataConfig, load_config
 from kvstrata.keys import BlockChain, Namespace
 from kvstrata.store import BlockStore, Hit
-from kvstrata.tools.serving import STARTS_ENV
+from tests.harness.starts import STARTS_ENV, count_engine_starts
 
 BLOCK_SIZE = 16  # tokens per block
 BLOCK_BYTES = 256  # payload bytes per block (tiny on purpose)
@@ -168,10 +168,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 # ------------------------------------------------------------------------- engine start count
-# Every engine start appends a line to the file $KVSTRATA_ENGINE_STARTS names (serving.note_start):
+# Every engine start appends a line to the file $KVSTRATA_ENGINE_STARTS names (tests/harness/starts.py):
 # the tests' launchers (tests/engines/conftest.py) and the kvstrata commands the tests run. The
 # session (the controller, when pytest-xdist runs workers: they inherit the variable) prints them.
-TOOL_PROCESSES = ("cli.py", "ttft_worker.py", "kvstrata")  # a kvstrata command's own engine processes
+TOOL_PROCESSES = ("main.py", "ttft_worker.py", "__main__.py", "kvstrata")  # a kvstrata command's own engine processes
 
 
 BASELINES_ENV = "KVSTRATA_TEST_BASELINES"  # the engine tests' no-connector outputs (tests/engines/conftest.py)
@@ -186,9 +186,17 @@ BASELINES_ENV = "KVSTRATA_TEST_BASELINES"  # the engine tests' no-connector outp
 OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, value in OMP_ENV.items():
         os.environ.setdefault(name, value)
+    # the processes the tests start import the harness (``tests.harness``) and the benchmarks as this one does
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, paths)])
+    count_engine_starts()
     if STARTS_ENV not in os.environ:  # else a child pytest: it counts into its parent's file
         fd, path = tempfile.mkstemp(prefix="kvstrata-engine-starts-")
         os.close(fd)

@@ -1,4 +1,4 @@
-"""``kvstrata bench serve``: the trace-to-requests mapping and the replay's ordering, with no engine
+"""``python -m benchmarks serve``: the trace-to-requests mapping and the replay's ordering, with no engine
 (the real run on vLLM: tests/engines/test_bench_serve.py)."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from kvstrata.tools import serving
-from kvstrata.tools.bench import serve
-from kvstrata.tools.bench.serve_engines import Result
-from kvstrata.tools.bench.serve_workload import Scaling, block_tokens, build_turns, select, simulate_reference
+from benchmarks import serve
+from benchmarks.serve_engines import Result
+from benchmarks.serve_workload import Scaling, block_tokens, build_turns, select, simulate_reference
 from kvstrata.tools.trace import Request, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "connector" / "tools" / "data" / "conversation_sample.jsonl"
+SAMPLE = ROOT / "src" / "kvstrata" / "tools" / "data" / "conversation_sample.jsonl"
 ALLOWED = np.arange(10, 3000)
 
 

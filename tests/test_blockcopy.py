@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from kvstrata import blockcopy
-from kvstrata.blockcopy import BlockLayout, block_dim
+from kvstrata.worker import copy as blockcopy
+from kvstrata.worker.copy import BlockLayout, block_dim
 
 NUM_BLOCKS = 12
 
@@ -84,7 +84,7 @@ def test_block_dim_errors_name_the_shape():
 
 def test_bench_copy_measures_both_sides_beside_the_bound(capsys):
     """``kvstrata bench copy`` (CPU here; the same command measures CUDA where there is a GPU)."""
-    from kvstrata.cli import main
+    from kvstrata.cli.main import main
 
     assert main(["bench", "copy", "--device", "cpu", "--layers", "2", "--blocks", "16", "--hit", "4",
                  "--rounds", "2", "--layout", "flash_attn", "--layout", "mla", "--json"]) == 0

@@ -18,7 +18,7 @@ NS = Namespace("test", "tiny", "v1", "bfloat16", "4x[2,16,64]", 16)
 
 
 def kvstrata(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run([sys.executable, "-m", "kvstrata.cli", *args], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", *args], capture_output=True, text=True,
                          timeout=600)
     if check and res.returncode:
         raise AssertionError(f"kvstrata {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")

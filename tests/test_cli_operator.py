@@ -35,7 +35,7 @@ def ns_b(folder: Path) -> Namespace:
 
 
 def kvstrata(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstrata.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
 
 
@@ -261,7 +261,7 @@ def test_stats_on_another_host_names_the_model_through_the_shared_tier(tmp_path)
 def test_every_subcommand_has_a_one_line_help_in_the_users_words():
     import argparse
 
-    from kvstrata.cli import _parser
+    from kvstrata.cli.main import _parser
 
     def helps(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, str]:
         out: dict[str, str] = {}
@@ -274,7 +274,7 @@ def test_every_subcommand_has_a_one_line_help_in_the_users_words():
         return out
 
     found = helps(_parser(["--help"]))
-    assert {"stats", "check", "invalidate", "gc", "config check", "bench ttft", "demo"} <= set(found)
+    assert {"stats", "check", "invalidate", "gc", "config check", "bench store", "demo"} <= set(found)
     for name, text in found.items():
         assert text and "\n" not in text and "``" not in text and len(text) <= 100, (name, text)
     top = kvstrata("--help")

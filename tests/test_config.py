@@ -131,11 +131,11 @@ def test_path_expands_home_and_variables(tmp_path, monkeypatch):
 
 def test_cli_config_check_exit_codes(tmp_path):
     good = write(tmp_path, f"l2:\n  path: {tmp_path}/l2\n")
-    ok = subprocess.run([sys.executable, "-m", "kvstrata.cli", "config", "check", str(good)],
+    ok = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "config", "check", str(good)],
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "ok" in ok.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("l1:\n  size: -1\n")
-    res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "config", "check", str(bad)],
+    res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "config", "check", str(bad)],
                          capture_output=True, text=True)
     assert res.returncode != 0 and str(bad) in res.stderr and "l1.size" in res.stderr

@@ -153,7 +153,7 @@ def test_config_file_that_is_a_fifo_is_refused_without_blocking(tmp_path):
 
 
 def test_config_check_changes_nothing_on_disk(tmp_path):
-    from kvstrata.cli import main
+    from kvstrata.cli.main import main
 
     l2 = tmp_path / "not" / "yet" / "l2"
     path = write(tmp_path, f"l2:\n  path: {l2}\n")

@@ -18,7 +18,7 @@ import pytest
 from conftest import (BLOCK_BYTES, assert_payloads_match, load_hit, make_config, payload_for,
                       random_tokens, store_prompt)
 from kv_child import CRASH_PROMPT_TOKENS, crash_prompt
-from kvstrata.blockfmt import HEADER_SIZE, payload_checksum, unpack_header
+from kvstrata.format.block import HEADER_SIZE, payload_checksum, unpack_header
 from kvstrata.metrics import Counters
 from kvstrata.store import BlockStore
 from kvstrata.tiers import DiskTier

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.cli import main
+from kvstrata.cli.main import main
 from kvstrata.tools.estimate import EstimateError, Hits, Params, load_json, load_model_shape, predict
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,11 +24,12 @@ import yaml
 
 import redisutil
 from test_staleness import Shared as StalenessShared
-from kvstrata import BlockStore, Namespace, cli
+from kvstrata import BlockStore, Namespace
+from kvstrata.cli import main as cli
 from kvstrata.config import load_config
-from kvstrata.epochs import generation, new_epoch, new_generation
+from kvstrata.epochs.base import generation, new_epoch, new_generation
 from kvstrata.metrics import SOURCES
-from kvstrata.stats_view import render
+from kvstrata.cli.stats_view import render
 
 NS = Namespace("test", "tiny", "v1", "bfloat16", "4x[2,16,64]", 16)
 SIZE = 512

@@ -12,11 +12,11 @@ import xxhash
 from rich.console import Console
 
 from conftest import BLOCK_SIZE, load_hit, make_config, payloads_for, random_tokens, store_prompt
-from kvstrata.auth import ENV as AUTH_ENV
+from kvstrata.format.auth import ENV as AUTH_ENV
 from kvstrata.config import ConfigError, load_config
-from kvstrata.describe import decode, encode
+from kvstrata.epochs.descriptors import decode, encode
 from kvstrata.keys import DEFAULT_KEY_SCHEME, Namespace, chain_keys, rooted_digests, root_key
-from kvstrata.stats_view import render
+from kvstrata.cli.stats_view import render
 from kvstrata.store import BlockStore
 
 SECRET_A = b"a" * 40

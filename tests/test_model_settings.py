@@ -95,7 +95,7 @@ def test_docs_name_every_field_the_namespace_leaves_out():
 
     section = (ROOT / "docs" / "consistency.md").read_text().split("## Runtime settings", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([\w.]+)`", section))
-    sglang = ROOT / "adapters" / "sglang" / "namespace.py"
+    sglang = ROOT / "src" / "kvstrata" / "adapters" / "sglang" / "namespace.py"
     excluded = (set(HF_EXCLUDED) | set(namespace.MODEL_EXCLUDED) | set(namespace.CACHE_EXCLUDED)
                 | set(namespace.LOAD_EXCLUDED) | set(namespace.MULTIMODAL_EXCLUDED)
                 | _dict_keys(sglang, "SERVER_EXCLUDED") | _dict_keys(sglang, "RESOLVED_EXCLUDED"))

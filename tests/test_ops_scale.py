@@ -24,8 +24,8 @@ import pytest
 import xxhash
 
 from conftest import make_config, make_namespace
-from kvstrata.blockfmt import HEADER, HEADER_SIZE, pack_header, payload_checksum
-from kvstrata.check import LISTED
+from kvstrata.format.block import HEADER, HEADER_SIZE, pack_header, payload_checksum
+from kvstrata.cli.check import LISTED
 from kvstrata.index import EntryMeta
 from kvstrata.store import BlockStore
 from kvstrata.tiers.folder import block_name, marker_name
@@ -124,7 +124,7 @@ def build(root: Path, n: int, seed: int = 0) -> Folder:
 PEAK = """
 import json, sys, tracemalloc
 from pathlib import Path
-from kvstrata.check import check_disk
+from kvstrata.cli.check import check_disk
 tracemalloc.start()
 report = check_disk(Path(sys.argv[1]), fix=False, progress=False)
 print(json.dumps({"peak": tracemalloc.get_traced_memory()[1], "report": report}))
@@ -163,7 +163,7 @@ def test_check_fix_removes_exactly_what_readers_reject(tmp_path: Path) -> None:
     keyless markers with and without a partial block of their length, dead writers' temp files
     and blocks of another format version. ``--fix`` deletes the first kinds and nothing else; a
     second check finds nothing more to fix."""
-    from kvstrata.check import check_disk
+    from kvstrata.cli.check import check_disk
 
     folder = build(tmp_path / "l2", 2_000)
     before = _tree(folder.root)
@@ -180,7 +180,7 @@ def test_check_fix_removes_exactly_what_readers_reject(tmp_path: Path) -> None:
 def _on_terminal(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     """Run ``kvstrata`` with stderr on a pseudo-terminal: (exit code, stdout, what the terminal got)."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli.main", *args], stdout=subprocess.PIPE,
                             stderr=slave, env=env, text=True)
     os.close(slave)
     chunks: list[bytes] = []
@@ -226,7 +226,7 @@ def test_check_shows_a_bar_with_a_total_on_a_terminal_only(tmp_path: Path, env: 
     assert "checking tail markers" in term
     rc, out, term = _on_terminal(["check", "--config", str(cfg), "--json"], env)
     assert rc == 1 and json.loads(out)["ok"] == folder.counts["ok"] and "shard folders" not in term
-    res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "check", "--config", str(cfg)],
+    res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "check", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "shard folders" not in res.stderr
 
@@ -260,7 +260,7 @@ def test_gc_shows_progress_and_removes_the_same(tmp_path: Path, env: dict[str, s
             assert "counting the disk tier" in term and "256/256 shard folders, 20,500 blocks" in term, term[-2000:]
             assert "gc: dropping older epochs" in term
         else:
-            res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "gc", "--config", str(cfg)],
+            res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "gc", "--config", str(cfg)],
                                  capture_output=True, text=True, timeout=120, env=env)
             rc, out = res.returncode, res.stdout
             assert res.stderr == ""

@@ -14,12 +14,12 @@ from kvstrata.store import BlockStore
 from kvstrata.store.protocol import StoreProtocol
 
 ROOT = Path(__file__).resolve().parents[1]
-ADAPTERS = sorted((ROOT / "adapters").rglob("*.py"))
+ADAPTERS = sorted((ROOT / "src" / "kvstrata" / "adapters").rglob("*.py"))
 # The protocol's modules: the store and its handles, the keys and namespaces it is asked about,
 # the config it is built from, and the engine-neutral pieces beside it (metric names and
 # collectors, model and adapter identity, the block copy kernels the workers run).
 ALLOWED = {"kvstrata.store", "kvstrata.keys", "kvstrata.config", "kvstrata.metrics", "kvstrata.identity",
-           "kvstrata.adapter_versions", "kvstrata.blockcopy"}
+           "kvstrata.adapter_versions", "kvstrata.worker.copy", "kvstrata.worker.arena"}
 MEMBERS = {name for name in dir(StoreProtocol) if not name.startswith("_")}
 
 
@@ -56,9 +56,9 @@ def store_uses(path: Path) -> set[str]:
 
 def test_the_walkers_see_what_they_look_for(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("from kvstrata.tiers.arena import x\nimport kvstrata.index\n"
+    probe.write_text("from kvstrata.tiers.disk import x\nimport kvstrata.index\n"
                      "def f(self, store):\n    self.store.counters.inc('a')\n    store.parts.index\n")
-    assert kvstrata_imports(probe) == {"kvstrata.tiers.arena", "kvstrata.index"}
+    assert kvstrata_imports(probe) == {"kvstrata.tiers.disk", "kvstrata.index"}
     assert store_uses(probe) == {"counters", "parts"}
 
 

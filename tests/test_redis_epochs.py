@@ -19,7 +19,7 @@ import redis
 import redisutil
 from kvstrata import BlockStore, Namespace
 from kvstrata.config import load_config
-from kvstrata.epochs import new_epoch
+from kvstrata.epochs.base import new_epoch
 from kvstrata.store import recovery
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")

@@ -19,10 +19,10 @@ import xxhash
 
 import redisutil
 from kvstrata import BlockStore, Namespace
-from kvstrata.auth import ENV, Auth
-from kvstrata.blockfmt import HEADER, HEADER_SIZE, TAG_AT, TAG_SIZE, pack_header, payload_checksum, unpack_header
+from kvstrata.format.auth import ENV, Auth
+from kvstrata.format.block import HEADER, HEADER_SIZE, TAG_AT, TAG_SIZE, pack_header, payload_checksum, unpack_header
 from kvstrata.config import ConfigError, load_config
-from kvstrata.describe import encode as encode_descriptor
+from kvstrata.epochs.descriptors import encode as encode_descriptor
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
 

@@ -22,9 +22,9 @@ import torch
 import redisutil
 from test_redis_epochs import open_store as epochs_store
 from kvstrata import BlockStore, Namespace
-from kvstrata.blockfmt import HEADER, HEADER_SIZE, pack_header, payload_checksum, unpack_header
+from kvstrata.format.block import HEADER, HEADER_SIZE, pack_header, payload_checksum, unpack_header
 from kvstrata.config import load_config
-from kvstrata.epochs import parse_epoch
+from kvstrata.epochs.base import parse_epoch
 from kvstrata.keys import FORMAT_VERSION
 from kvstrata.store.saver import Saver
 

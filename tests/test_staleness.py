@@ -25,9 +25,9 @@ import redis
 import redisutil
 from kvstrata import BlockStore, Namespace
 from kvstrata.config import load_config
-from kvstrata.epochs import Retired
-from kvstrata.polled_epochs import PolledEpochs, T
-from kvstrata.tools.netfault import FaultyProxy
+from kvstrata.epochs.base import Retired
+from kvstrata.epochs.polled import PolledEpochs, T
+from kvstrata.tools.torture.faults import FaultyProxy
 
 NS = Namespace("test", "tiny", "v1", "bfloat16", "4x[2,16,64]", 16)
 SIZE = 1024
@@ -269,12 +269,12 @@ def test_cli_invalidate_says_what_was_not_invalidated_and_exits_1(tmp_path, redi
         with BlockStore(load_config(config)) as store:
             store_prompt(store)
         proxy.set_mode("refuse")
-        res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "invalidate", "--all", "--config", str(config)],
+        res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "invalidate", "--all", "--config", str(config)],
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 1, res.stdout + res.stderr
         assert f"{NS.seed[:8].hex()}: NOT invalidated" in res.stderr and "1 of 1" in res.stderr
         proxy.set_mode("pass")
-        res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "invalidate", "--all", "--config", str(config)],
+        res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "invalidate", "--all", "--config", str(config)],
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0 and "new epoch" in res.stdout, res.stdout + res.stderr
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import assert_payloads_match, load_hit, make_config, payload_for, payloads_for
-from kvstrata.blockfmt import HEADER_SIZE, payload_checksum
+from kvstrata.format.block import HEADER_SIZE, payload_checksum
 from kvstrata.index import EntryMeta
 from kvstrata.keys import BlockChain, Namespace
 from kvstrata.metrics import Counters
@@ -325,7 +325,7 @@ def test_stats_of_a_folder_still_being_counted_says_it_is_estimating(tmp_path):
     cfg.write_text(f"l2:\n  path: {tmp_path / 'l2'}\n  size: 1GiB\nl1:\n  size: 1MiB\n  pin_memory: false\n")
 
     def stats(*extra: str) -> dict:
-        res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "stats", "--config", str(cfg), "--json", *extra],
+        res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "stats", "--config", str(cfg), "--json", *extra],
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         return json.loads(res.stdout)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import (BLOCK_BYTES, BLOCK_SIZE, assert_payloads_match, load_hit, make_config,
                       make_namespace, payload_for, payloads_for, random_tokens, store_prompt)
-from kvstrata.blockfmt import HEADER_SIZE
+from kvstrata.format.block import HEADER_SIZE
 from kvstrata.store import BlockStore
 
 L1_BIT, L2_BIT = 1, 2
@@ -632,7 +632,7 @@ def test_arena_prefaulter_tops_up_only_when_half_of_the_headroom_is_used(tmp_pat
     slot, which would put page population inside the request that uses the slot."""
     import time
 
-    from kvstrata.tiers.arena import Prefaulter, create_shared_arena
+    from kvstrata.worker.arena import Prefaulter, create_shared_arena
 
     monkeypatch.setattr(Prefaulter, "AHEAD", 8 << 20)
     monkeypatch.setattr(Prefaulter, "CHUNK", 1 << 20)

@@ -35,8 +35,8 @@ import xxhash  # noqa: E402
 
 from conftest import (BLOCK_BYTES, BLOCK_SIZE, assert_payloads_match, load_hit, make_config,  # noqa: E402
                       make_namespace, payloads_for, random_tokens, store_prompt)
-from kvstrata.blockfmt import HEADER, HEADER_SIZE, MAGIC  # noqa: E402
-from kvstrata.cli import main as cli_main  # noqa: E402
+from kvstrata.format.block import HEADER, HEADER_SIZE, MAGIC  # noqa: E402
+from kvstrata.cli.main import main as cli_main  # noqa: E402
 from kvstrata.keys import FORMAT_VERSION  # noqa: E402
 from kvstrata.metrics import Counters  # noqa: E402
 from kvstrata.store import BlockStore, ByteRuns  # noqa: E402
@@ -369,7 +369,7 @@ def test_shared_folder_sweep_leaves_other_hosts_temp_files_until_they_are_stale(
 
 def _hold_arenas(*paths: Path) -> list[subprocess.Popen]:
     """Live peers: one process per path that creates the arena there and keeps running."""
-    code = ("import sys, time; from kvstrata.tiers.arena import create_shared_arena; "
+    code = ("import sys, time; from kvstrata.worker.arena import create_shared_arena; "
             "create_shared_arena(sys.argv[1], 2, 4096); print('ready', flush=True); time.sleep(600)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(p)], stdout=subprocess.PIPE, text=True)
              for p in paths]
@@ -384,7 +384,7 @@ def test_dead_arena_cleanup_spares_arenas_of_live_peers_whose_pid_is_not_visible
     older than any start-up. One's creator is alive (it holds the arena), the other's has been
     killed. The start-up cleanup (``remove_dead_arenas``, which the vLLM adapter runs) removes
     only the dead one."""
-    from kvstrata.tiers.arena import remove_dead_arenas
+    from kvstrata.worker.arena import remove_dead_arenas
 
     live = tmp_path / f"kvstrata-{_dead_pid()}-0123abcd"
     dead = tmp_path / f"kvstrata-{_dead_pid()}-4567cdef"
@@ -512,7 +512,7 @@ def _full_disk_scenario(root: Path, fill: Callable[[], None], free: Callable[[],
             counters = store.counters.snapshot()
     finally:
         logging.getLogger("kvstrata").removeHandler(handler)
-    from kvstrata.check import check_disk
+    from kvstrata.cli.check import check_disk
 
     report = check_disk(root / "l2", progress=False)
     return {"lines": lines, "counters": counters, "served": served, "stored_on_disk": stored_on_disk,

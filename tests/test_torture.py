@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.cli import main
+from kvstrata.cli.main import main
 from kvstrata.keys import key_scheme
 from kvstrata.store import BlockStore
 from kvstrata.tools.torture import (NAMESPACES, PAYLOAD_BYTES, RetiredLog, check_load, expected_keys,
@@ -94,7 +94,7 @@ def torture(tmp_path, seconds: int, seed: int) -> dict:
     """``kvstrata torture`` through the CLI, with a real Redis behind ``--net-faults`` when the
     machine has redis-server; its JSON summary, after the checks every run must pass."""
     with (standalone(tmp_path) if REDIS else nullcontext()) as server:
-        cmd = [sys.executable, "-m", "kvstrata.cli", "torture", "--seconds", str(seconds), "--json",
+        cmd = [sys.executable, "-m", "kvstrata.cli.main", "torture", "--seconds", str(seconds), "--json",
                "--seed", str(seed)]
         if server:
             cmd += ["--redis", server[0], "--net-faults"]

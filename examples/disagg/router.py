@@ -5,7 +5,7 @@
 Each /v1/completions or /v1/chat/completions request goes to a prefill instance with max_tokens 1
 (its answer comes once the prompt's blocks are in the shared tier), then unchanged to a decode
 instance, whose streamed answer is passed through as it comes. The code is in the package so that
-`kvstrata bench serve --disagg` and the tests run the same router.
+`python -m benchmarks serve --disagg` and the tests run the same router.
 """
 
 from kvstrata.tools.pd_router import main

@@ -22,7 +22,7 @@ unit layer alone. This file owns what those tests share:
 
   ``start_vllm_server(model, log_dir, config)`` is the same outside a function-scoped fixture
   (a module fixture that shares one server: call ``.stop()`` at its teardown).
-- ``sglang_server``: the one launcher of SGLang servers (``kvstrata.tools.sglang_server``'s
+- ``sglang_server``: the one launcher of SGLang servers (``tests.harness.sglang_server``'s
   ``SGLangServer`` with the tests' CPU flags; ``sglang_generate`` reads what it served from where).
 - ``baseline``: greedy outputs of vLLM with no connector, computed once per session by one engine
   and cached by (model, prompt, max_tokens, dtype): ``baseline(prompt_ids)``.
@@ -32,7 +32,7 @@ isolates itself with a fresh ``cache_salt`` (its own keys, the same outputs), or
 of the prefix cache; counters are compared before and after (``delta``).
 
 Every engine start (these launchers', and those of the kvstrata commands the tests run) is
-counted through ``$KVSTRATA_ENGINE_STARTS`` (``serving.note_start``); tests/conftest.py prints the
+counted through ``$KVSTRATA_ENGINE_STARTS`` (``tests.harness.starts``); tests/conftest.py prints the
 count at the end of the session.
 """
 
@@ -57,7 +57,7 @@ import pytest
 
 from conftest import BASELINES_ENV  # a folder the session's workers share (tests/conftest.py)
 from kvstrata.tools import serving
-from kvstrata.tools.sglang_server import SGLangServer, cpu_env, cpu_flags, find_python
+from tests.harness.sglang_server import SGLangServer, cpu_env, cpu_flags, find_python
 
 from .zygote import Zygote
 
@@ -107,7 +107,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def run_command(args: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(args, capture_output=True, text=True)``, but past ``timeout`` the command
     gets SIGINT first (a kvstrata command then stops the engines it started, each in a session of
-    its own) and SIGKILL only 60 s later; the test then fails with what it printed."""
+    its own) and SIGKILL only 60 s later; the test then fails with what it printed. A kvstrata
+    module run with ``-m`` runs under ``tests.harness.counted``, so its engines are counted."""
+    if args[1:2] == ["-m"] and args[2].startswith("kvstrata."):
+        args = [args[0], "-m", "tests.harness.counted", *args[2:]]
     with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)

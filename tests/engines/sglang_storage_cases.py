@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from kvstrata.tools.sglang_pool import extra_info, host_pool, storage_config
+from tests.harness.sglang_pool import extra_info, host_pool, storage_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIMS = ROOT / "tests" / "engines" / "sglang_shims"

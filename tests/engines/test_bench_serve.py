@@ -1,4 +1,4 @@
-"""``kvstrata bench serve`` run as a user would: the command on vLLM with the tiny model (two
+"""``python -m benchmarks serve`` run as a user would: the command on vLLM with the tiny model (two
 servers, a few seconds of requests); its JSON, its plot and that kvstrata hits."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from engines.conftest import run_command
 pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = ROOT / "connector" / "tools" / "data" / "conversation_sample.jsonl"
+SAMPLE = ROOT / "src" / "kvstrata" / "tools" / "data" / "conversation_sample.jsonl"
 
 
 def test_bench_serve_on_vllm_reports_every_config_and_kvstrata_hits(model, tmp_path):
     pytest.importorskip("vllm")
     png = tmp_path / "serve.png"
-    cmd = [sys.executable, "-m", "kvstrata.cli", "bench", "serve", "--engine", "vllm", "--model", model,
+    cmd = [sys.executable, "-m", "benchmarks", "serve", "--engine", "vllm", "--model", model,
            "--trace", str(SAMPLE), "--sessions", "2", "--concurrency", "2", "--configs", "baseline,strata-l1l2",
            "--json", "--plot", str(png), "--work", str(tmp_path / "work"),
            # a device cache that holds one prompt, so the second conversation evicts the first
@@ -29,7 +29,7 @@ def test_bench_serve_on_vllm_reports_every_config_and_kvstrata_hits(model, tmp_p
     res = run_command(cmd, timeout=850, cwd=tmp_path)
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     lines = res.stdout.strip().splitlines()
-    assert lines[0].startswith("# kvstrata bench serve") and "| config |" in res.stdout
+    assert lines[0].startswith("# python -m benchmarks serve") and "| config |" in res.stdout
     out = json.loads(lines[-1])
     rows = {r["config"]: r for r in out["results"]}
     assert set(rows) == {"baseline", "strata-l1l2"}

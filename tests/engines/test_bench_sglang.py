@@ -1,6 +1,6 @@
-"""The SGLang benchmarks, run as a user would: ``kvstrata bench ttft --engine sglang`` on the tiny
+"""The SGLang benchmarks, run as a user would: ``python -m benchmarks ttft --engine sglang`` on the tiny
 model (servers from ./.venv-sglang, started by the benchmark itself) and the store comparison of
-SGLang's file backend with StrataStorage (``kvstrata.tools.bench.store_sglang``) in quick mode.
+SGLang's file backend with StrataStorage (``benchmarks.store_sglang``) in quick mode.
 
 Both need the SGLang environment (``scripts/setup_sglang.sh``); the servers run one at a time.
 """
@@ -29,7 +29,7 @@ STORE_FIELDS = ("sglang_file_get_gbps", "sglang_file_set_gbps", "strata_sglang_g
 
 @needs_sglang
 def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(model):
-    res = run_command([sys.executable, "-m", "kvstrata.cli", "bench", "ttft", "--engine", "sglang",
+    res = run_command([sys.executable, "-m", "benchmarks", "ttft", "--engine", "sglang",
                       "--model", model, "--rounds", "1", "--prompt-tokens", "600", "--json"],
                       cwd=ROOT, timeout=850)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
@@ -46,7 +46,7 @@ def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(
 
 @needs_sglang
 def test_store_comparison_with_sglang_file_backend_reports_positive_rates():
-    res = run_command([sglang_python(), "-m", "kvstrata.tools.bench.store_sglang", "--quick", "--json"],
+    res = run_command([sglang_python(), "-m", "benchmarks.store_sglang", "--quick", "--json"],
                       cwd=ROOT, timeout=850)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

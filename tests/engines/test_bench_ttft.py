@@ -1,4 +1,4 @@
-"""``kvstrata bench ttft --engine vllm`` run as a user would, on the tiny model: the benchmark
+"""``python -m benchmarks ttft --engine vllm`` run as a user would, on the tiny model: the benchmark
 starts its own engine processes (cold, kvstrata L1, kvstrata L2 and the shared Redis tier in fresh
 processes, a private redis-server for the latter), and its JSON must show a real hit from each with
 the cold run's greedy outputs."""
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_ttft_vllm_loads_all_but_the_last_token_with_the_cold_output(model):
-    res = run_command([sys.executable, "-m", "kvstrata.cli", "bench", "ttft", "--engine", "vllm",
+    res = run_command([sys.executable, "-m", "benchmarks", "ttft", "--engine", "vllm",
                       "--model", model, "--configs", "cold,l1,l2,l3", "--rounds", "1",
                       "--prompt-tokens", "500", "--json"],
                       cwd=ROOT, timeout=850)

@@ -20,7 +20,7 @@ import pytest
 
 from engines.conftest import (PAGE, SGLangServers, ids, needs_sglang, new_sglang_server, sglang_config,
                               sglang_generate, sglang_log, sglang_python)
-from kvstrata.tools.sglang_server import SGLangServer, SGLangUnavailable
+from tests.harness.sglang_server import SGLangServer, SGLangUnavailable
 
 # Server starts take minutes on 2 cores shared with the other test worker.
 pytestmark = pytest.mark.timeout(900)
@@ -169,7 +169,7 @@ def test_shared_redis_tier_alone_serves_a_fresh_server_with_identical_output(ser
     what the first one stored from Redis."""
     import redis
 
-    from kvstrata.tools.redis_server import redis_server
+    from tests.harness.redis_server import redis_server
 
     with redis_server(folder=tmp_path / "redis") as url:
         config = sglang_config(tmp_path / "remote.json", tmp_path / "l2", remote={"enabled": True, "url": url})

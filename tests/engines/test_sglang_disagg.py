@@ -49,7 +49,7 @@ import pytest
 from engines.conftest import (PAGE, SGLangServers, sglang_probe, ids, needs_sglang, new_sglang_server, sglang_args,
                               sglang_config, sglang_log, sglang_python, tiny_model)
 from kvstrata.tools.serving import free_port
-from kvstrata.tools.sglang_server import SGLangServer
+from tests.harness.sglang_server import SGLangServer
 
 pytestmark = [needs_sglang, pytest.mark.timeout(900)]
 

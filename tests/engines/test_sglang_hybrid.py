@@ -33,7 +33,7 @@ import pytest
 
 from engines.conftest import (PAGE, SGLANG_REQUEST_TIMEOUT, SGLANG_START_TIMEOUT, ids, needs_sglang, sglang_args, sglang_config,
                               sglang_generate, sglang_python, tiny_model)
-from kvstrata.tools.sglang_server import SGLangServer, SGLangUnavailable, cpu_env
+from tests.harness.sglang_server import SGLangServer, SGLangUnavailable, cpu_env
 
 # Starts take longer on 2 cores shared with the other test worker (as in test_sglang.py).
 pytestmark = [needs_sglang, pytest.mark.timeout(900)]

@@ -27,7 +27,7 @@ import pytest
 from engines.conftest import PAGE, SGLangServers, ids, needs_sglang, sglang_config, sglang_python
 from engines.test_sglang import block_files
 from kvstrata.metrics import METRICS
-from kvstrata.tools.sglang_server import SGLangServer, SHIMS
+from tests.harness.sglang_server import SGLangServer, SHIMS
 
 # Server starts take minutes on 2 cores shared with the other test worker.
 pytestmark = pytest.mark.timeout(900)
@@ -200,7 +200,7 @@ def test_every_kvstrata_metric_of_the_grafana_dashboard_is_in_the_sglang_scrape(
 def test_stats_names_the_model_the_sglang_server_stored(served):
     cfg = served["tmp"] / "kvstrata.json"  # JSON is YAML: the server's disk tier, kvstrata's part only
     cfg.write_text(json.dumps({"l2": json.loads(served["cfg"].read_text())["l2"]}))
-    res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "stats", "--config", str(cfg), "--json"],
+    res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "stats", "--config", str(cfg), "--json"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(res.stdout)
@@ -220,7 +220,7 @@ import sglang_cpu_hook
 sglang_cpu_hook.install()
 from prometheus_client import REGISTRY, generate_latest
 from kvstrata.adapters.sglang import StrataStorage
-from kvstrata.tools.sglang_pool import host_pool, storage_config
+from tests.harness.sglang_pool import host_pool, storage_config
 
 def make(metrics, rank):
     cfg = storage_config({"l1": {"size": "16MiB"}, "l2": {"path": sys.argv[2]}, "interface_v1": 1,

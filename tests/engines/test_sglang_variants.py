@@ -44,8 +44,8 @@ import pytest
 
 from engines.conftest import (PAGE, SGLangServers, sglang_probe, ids, needs_sglang, new_sglang_server, sglang_args,
                               sglang_config, sglang_generate, sglang_log, tiny_model)
-from kvstrata.blockfmt import HEADER_SIZE, unpack_header
-from kvstrata.tools.sglang_server import SGLangServer, SGLangUnavailable
+from kvstrata.format.block import HEADER_SIZE, unpack_header
+from tests.harness.sglang_server import SGLangServer, SGLangUnavailable
 
 pytestmark = [needs_sglang, pytest.mark.timeout(900)]
 

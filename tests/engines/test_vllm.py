@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.stats_view import size_text
+from kvstrata.cli.stats_view import size_text
 from engines.conftest import BS, FORK_A, FORK_B, LONG, SHARED, delta, disk_config, gen, run_command, run_once, salt
 
 pytest.importorskip("vllm")
@@ -91,7 +91,7 @@ def test_reset_connector_leaves_no_hits_here_or_in_another_process(disk_pair, ba
     assert out[1]["ok"] is True
     assert out[2]["cached"] == 0 and out[2]["tokens"] == baseline(LONG)
     # The second request stored the prompt again under the new epoch. The other process's first
-    # reset joins that epoch (``a`` reset after it last joined: kvstrata.joins); its second starts a
+    # reset joins that epoch (``a`` reset after it last joined: kvstrata.epochs.joins); its second starts a
     # new one, of which this process serves nothing (its own L1 copy included) until it resets too.
     assert b.run([{"op": "reset", "connector": True}] * 2) == [{"ok": True}] * 2
     other = a.run([{"op": "reset"}, gen(LONG, salt=s)])[1]
@@ -149,7 +149,7 @@ def test_connector_name_alone_works_through_the_plugin_entry_point(disk_pair, ba
 @pytest.mark.timeout(900)  # two server starts, on 2 cores shared with another test worker
 def test_demo_serves_the_prompt_from_disk_after_a_restart(model, tmp_path):
     """Scenario: the README's main job, on the real OpenAI server, end to end."""
-    res = run_command([sys.executable, "-m", "kvstrata.cli", "demo", "--model", model, "--config",
+    res = run_command([sys.executable, "-m", "kvstrata.cli.main", "demo", "--model", model, "--config",
                       str(disk_config(tmp_path)), "--prompt-tokens", "1000", "--dtype", "float32"],
                       timeout=850)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -162,7 +162,7 @@ def test_demo_serves_the_prompt_from_disk_after_a_restart(model, tmp_path):
 
 # ---------------------------------------------------------------- kvstrata stats / invalidate
 def kvstrata(*args: str) -> str:
-    res = subprocess.run([sys.executable, "-m", "kvstrata.cli", *args], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", *args], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, f"kvstrata {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}"
     return res.stdout
 

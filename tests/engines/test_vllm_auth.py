@@ -27,12 +27,12 @@ import xxhash
 
 import redisutil
 from kvstrata import BlockStore
-from kvstrata.auth import Auth
-from kvstrata.blockfmt import HEADER, HEADER_SIZE, payload_checksum, unpack_header
+from kvstrata.format.auth import Auth
+from kvstrata.format.block import HEADER, HEADER_SIZE, payload_checksum, unpack_header
 from kvstrata.config import load_config
-from kvstrata.describe import decode as decode_descriptor
+from kvstrata.epochs.descriptors import decode as decode_descriptor
 from kvstrata.keys import extra_digest
-from kvstrata.store import open_keys
+from kvstrata.store.parts import open_keys
 from engines.conftest import BS, LONG, gen
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")

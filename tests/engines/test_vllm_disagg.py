@@ -264,7 +264,7 @@ def test_reset_on_the_prefill_server_hides_older_blocks_from_the_decode_server(p
     """Scenario: a prompt is published; both servers reset their prefix cache and kvstrata's, as
     after a weight update (``reset_prefix_cache(reset_connector=True)``: the prefill server's
     makes a new epoch in Redis, the decode server's joins it; a server that did not reset would
-    serve and save nothing: kvstrata.joins). The decode server then loads nothing of the prompt
+    serve and save nothing: kvstrata.epochs.joins). The decode server then loads nothing of the prompt
     (its blocks are of the older epoch): it computes it, answers as vLLM alone and stores what it
     computed, under the new epoch, where the next request through the router finds it."""
     pair = pairs("redis")

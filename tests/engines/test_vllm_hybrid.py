@@ -31,7 +31,7 @@ import redis as _redis
 
 import redisutil
 from engines.conftest import StepEngine, delta, disk_config, gen, ids, salt, tiny_model
-from kvstrata.blockfmt import HEADER_SIZE, pack_header, unpack_header
+from kvstrata.format.block import HEADER_SIZE, pack_header, unpack_header
 from kvstrata.keys import Namespace
 
 pytest.importorskip("vllm")

@@ -5,7 +5,7 @@ Before: engine A changed its weights in memory and called ``reset_prefix_cache(r
 engine B, still on the old weights, adopted A's new epoch at once and saved into it what it computed
 (its own prefix cache serving it the old prompt again); A then loaded B's KV of the weights it had
 left, and answered wrong. Now B serves and saves nothing of the namespace until it resets itself,
-and its reset joins A's epoch (``kvstrata.joins``).
+and its reset joins A's epoch (``kvstrata.epochs.joins``).
 """
 
 from __future__ import annotations

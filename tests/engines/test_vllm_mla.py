@@ -25,7 +25,7 @@ import pytest
 
 from engines.conftest import StepEngine, delta, disk_config, gen, ids, tiny_model
 from engines.test_vllm_tp import RankHarness
-from kvstrata.blockfmt import HEADER_SIZE
+from kvstrata.format.block import HEADER_SIZE
 
 pytest.importorskip("vllm")
 

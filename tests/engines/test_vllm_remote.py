@@ -147,7 +147,7 @@ def test_reset_on_one_engine_stops_hits_on_the_other(pairs):
     assert after["cached"] == 0  # 100 ms after A's reset: B's own L1/L2 copies are hidden too
     assert after["tokens"] == hit["tokens"] == ra[0]["tokens"]
     # A reset after a weight update: B serves and saves nothing of the namespace until it resets
-    # itself, which joins A's epoch (kvstrata.joins); the next tests share it again.
+    # itself, which joins A's epoch (kvstrata.epochs.joins); the next tests share it again.
     assert b.run([{"op": "reset", "connector": True}])[0]["ok"] is True
 
 

@@ -15,7 +15,7 @@ import redis
 
 import redisutil
 from engines.conftest import LONG
-from kvstrata.tools.netfault import FaultyProxy
+from kvstrata.tools.torture.faults import FaultyProxy
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
 
@@ -73,7 +73,7 @@ def test_vllm_behind_a_faulty_redis_serves_no_retired_epoch_and_recovers(vllm_se
 
         proxy.set_mode("hang")  # 2
         direct = config(tmp_path / "operator.yaml", tmp_path / "operator-l2", url)
-        res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "invalidate", "--model", a.model,
+        res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "invalidate", "--model", a.model,
                               "--config", str(direct)], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0 and "new epoch" in res.stdout, res.stdout + res.stderr
         new = client.get(epoch_key(client))

@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstrata.blockfmt import HEADER, HEADER_SIZE, MAGIC, FormatError, unpack_header
+from kvstrata.format.block import HEADER, HEADER_SIZE, MAGIC, FormatError, unpack_header
 from kvstrata.config import load_config
 from kvstrata.keys import FORMAT_VERSION, NO_EXTRA, KeyScheme, extra_digest
-from kvstrata.store import open_keys
+from kvstrata.store.parts import open_keys
 from engines.conftest import BS, LONG, StepEngine, gen
 
 pytest.importorskip("vllm")
@@ -72,7 +72,7 @@ def cli_check(config: Path, *extra: str) -> dict:
     """``kvstrata check --json`` in its own process, which must finish within ``CLI_S``."""
     start = time.monotonic()
     try:
-        res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "check", "--config", str(config), "--json",
+        res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "check", "--config", str(config), "--json",
                               *extra], capture_output=True, text=True, timeout=CLI_S)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"kvstrata check {' '.join(extra)} did not finish within {CLI_S:.0f} s "
@@ -361,7 +361,7 @@ def test_two_vllm_servers_started_at_the_same_moment_on_one_new_shared_folder_bo
         assert other["tokens"] == baseline(LONG), name
         assert counters.get("hit_blocks_l2", 0) + counters.get("hit_blocks_remote", 0) == BLOCKS, counters
 
-    from kvstrata.check import check_disk
+    from kvstrata.cli.check import check_disk
 
     for folder in (new / "l2", new / "shared"):
         report = check_disk(folder, progress=False)

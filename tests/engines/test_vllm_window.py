@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from engines.conftest import BS, StepEngine, disk_config, gen, ids, tiny_model
-from kvstrata.blockfmt import HEADER_SIZE, unpack_header
+from kvstrata.format.block import HEADER_SIZE, unpack_header
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -43,7 +43,7 @@ def test_a_window_only_model_never_stores_vllms_null_block_and_a_fresh_engine_an
         cold, = first.run([gen(PROMPT)])
         stored = set(payloads(l2))
         # An operator's invalidation (no weights changed): vLLM's own cache still holds the prompt.
-        res = subprocess.run([sys.executable, "-m", "kvstrata.cli", "invalidate", "--config", str(cfg), "--model", model],
+        res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "invalidate", "--config", str(cfg), "--model", model],
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         again, = first.run([gen(PROMPT)])

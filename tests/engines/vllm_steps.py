@@ -235,7 +235,7 @@ def step(llm, op: dict, spec: dict) -> dict:
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    from kvstrata.tools.serving import note_start
+    from tests.harness.starts import note_start
 
     note_start("vllm offline engine")
     llm = build(spec)

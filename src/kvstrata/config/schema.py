@@ -1,0 +1,242 @@
+"""config/schema.py: the typed configuration, ``StrataConfig`` and its sections: every key, its
+type, default and bounds, with a docstring per key; sizes (``parse_size``) and ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from decimal import Decimal
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+EMBEDDED = "<embedded default>"
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*(\d{1,24}(?:\.\d{1,24})?)\s*([a-zA-Z]{0,3})\s*$")  # bounded digits
+
+
+class ConfigError(ValueError):
+    """A configuration the user has to fix; the message says where and how."""
+
+
+def parse_size(value: Any) -> int:
+    """``8GiB``, ``512MiB``, ``1.5GB`` or a plain integer number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like 8GiB or a byte count")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)) and m[2].lower() in _UNITS:
+        n = int(Decimal(m[1]) * _UNITS[m[2].lower()])  # exact, and no float overflow
+    else:
+        raise ValueError("expected a size like 8GiB, 512MiB or a byte count")
+    if n < 0:
+        raise ValueError("expected a non-negative size")
+    return n
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+def _expand_path(v: Path) -> Path:
+    """``~`` and ``$VARS`` expanded; a NUL byte, which no system call accepts, is refused here."""
+    if "\0" in str(v):
+        raise ValueError("expected a path without NUL bytes")
+    return Path(os.path.expandvars(os.path.expanduser(str(v))))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class NamespaceConfig(_Model):
+    model_version: str | None = None
+    """Explicit weights version. Default: a fingerprint of the model folder's config and files."""
+    tenant: str = ""
+    """Salt that separates tenants: blocks are never shared across different values."""
+
+
+class L1Config(_Model):
+    size: Size = 4 * 2**30
+    """CPU arena size: one tensor of fixed-size slots, allocated once the block size is known (in
+    full when pinned or shared with the engine's workers; else the OS backs pages as they are used)."""
+    pin_memory: bool = True
+    """Page-lock the arena for fast device copies (only when CUDA is present)."""
+    stage_inline_bytes: Size = 64 * 2**20
+    """A hit on the disk or shared tier up to this size is read into L1 inside the engine's prefix
+    lookup (milliseconds, no thread hand-off); a larger one is staged in the background while the
+    engine runs other requests, and the engine is asked to look again. 0: always background."""
+
+    @field_validator("size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("expected a positive size (L1 holds every block on its way in)")
+        return v
+
+
+class L2Config(_Model):
+    enabled: bool = True
+    path: Path = Path("~/.cache/kvstrata")
+    """Folder of the disk tier (``~`` and ``$VARS`` are expanded). Created 0700."""
+    size: Size = 32 * 2**30
+    """Capacity bound; least recently used blocks are deleted beyond it."""
+    fsync: bool = False
+    """fsync each block before publishing it (survives power loss; slower writes)."""
+    write: Literal["through", "on_evict"] = "through"
+    """``through``: every saved block is also written to disk in the background.
+    ``on_evict``: a block goes to disk only when L1 evicts it."""
+    authenticate: bool = False
+    """MAC every disk block (and epoch file) under the deployment secret (``remote.auth_key_file``
+    or ``$KVSTRATA_AUTH_KEY``), as the shared tier is: for a host where others can write the L2
+    folder. Off: L2 is trusted through its file modes (0700/0600)."""
+
+    @field_validator("path", mode="after")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return _expand_path(v)
+
+
+class BreakerConfig(_Model):
+    failures: int = Field(3, gt=0)
+    """Consecutive failed calls that open the circuit: the tier is skipped (misses, dropped saves)."""
+    reset_ms: int = Field(1000, gt=0)
+    """First retry after this long; doubles on every failed retry, up to ``max_backoff_ms``."""
+    max_backoff_ms: int = Field(30000, gt=0)
+
+
+class RemoteConfig(_Model):
+    enabled: bool = False
+    backend: Literal["redis", "fs"] = "redis"
+    """``redis``: Redis or Valkey, standalone or Cluster. ``fs``: a shared POSIX folder."""
+    url: str = "redis://127.0.0.1:6379/0"
+    """``redis://`` or ``rediss://`` (TLS); ``user:password@`` for ACL users."""
+    cluster: bool = False
+    """Use the Redis Cluster protocol (keys spread over slots, one batch per node)."""
+    tls_ca: Path | None = None
+    """CA bundle to verify the server certificate with ``rediss://``."""
+    path: Path | None = None
+    """``fs`` backend: the shared folder (NFS, CephFS, JuiceFS, Lustre, ...)."""
+    size: Size = 2**40
+    """``fs`` backend: capacity; ``kvstrata gc`` and writers delete least recently used beyond it."""
+    key_prefix: str = "kvstrata"
+    timeout_ms: int = Field(200, gt=0)
+    """Every remote call gives up after this long; the engine then recomputes."""
+    invalidation_ms: int = Field(50, gt=0)
+    """How often a missed epoch notification is caught up by polling."""
+    confirm_margin_ms: int = Field(200, gt=0)
+    """A lookup uses an epoch only if the shared tier confirmed it at most ``invalidation_ms +
+    confirm_margin_ms`` before (``staleness_bound_s``); past that, while the tier does not answer,
+    lookups miss. The margin lets a slow or failed poll or two go by without costing hits."""
+    allow_stale_epoch: bool = False
+    """The lenient policy: keep using the last epoch read, however old, while the shared tier
+    is unreachable. It risks serving blocks another instance invalidated meanwhile (a weight
+    update, a reset) for as long as the outage lasts."""
+    breaker: BreakerConfig = BreakerConfig()
+    auth_key_file: Path | None = None
+    """A file holding the deployment secret (at least 32 bytes; surrounding whitespace ignored):
+    every value read back from the shared tier must carry a MAC under it (``kvstrata.format.auth``).
+    Unset: ``$KVSTRATA_AUTH_KEY``, else the shared tier is unauthenticated (a warning at start).
+    Deployments (tenants) with different secrets share one Redis or folder without ever serving
+    each other's blocks. The secret itself never goes in the YAML."""
+
+    @property
+    def staleness_bound_s(self) -> float:
+        """How long after its last confirmation an epoch is still used by lookups."""
+        return (self.invalidation_ms + self.confirm_margin_ms) / 1000
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("expected a redis://, rediss:// or unix:// URL")
+        return v
+
+    @field_validator("path", "tls_ca", mode="after")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return None if v is None else _expand_path(v)
+
+    @field_validator("auth_key_file", mode="after")
+    @classmethod
+    def _key_file(cls, v: Path | None) -> Path | None:
+        """Expanded, and read once now so that a missing, unreadable or short secret fails here,
+        naming the key (the secret is not kept: the tiers read it again when they open)."""
+        if v is None:
+            return None
+        from kvstrata.format.auth import SecretError, read_secret_file
+
+        v = _expand_path(v)
+        try:
+            read_secret_file(v)
+        except SecretError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _fs_needs_path(self) -> "RemoteConfig":
+        if self.enabled and self.backend == "fs" and self.path is None:
+            raise ValueError("backend fs needs remote.path (the shared folder)")
+        return self
+
+
+class SaveConfig(_Model):
+    queue_blocks: int = Field(4096, gt=0)
+    """Blocks waiting to be saved; beyond this, saves are dropped and counted, never blocking."""
+    threads: int = Field(1, gt=0, le=64)
+    publish_wait_ms: int = Field(2000, ge=0)
+    """vLLM ``kv_role: kv_producer`` (a prefill instance): when a request finishes, its blocks are
+    written to the shared tier before its answer goes out, waiting at most this long; vLLM keeps
+    the request's blocks until then (delayed freeing)."""
+    consumer: Literal["computed", "all"] = "computed"
+    """vLLM ``kv_role: kv_consumer`` (a decode instance): ``computed`` stores only the blocks its
+    own forward passes computed (its outputs, and prompt blocks no producer had published), and
+    keeps no disk copy of the blocks it loads from the shared tier; ``all`` stores as ``kv_both``."""
+
+
+class TestingConfig(_Model):
+    """The ``testing:`` section: settings that exist for kvstrata's own tests and benchmarks."""
+
+    key_bits: int = Field(128, ge=8, le=128, multiple_of=8)
+    """Index key width. Test-only: below 128 it forces collisions that validation must reject."""
+    l2_write_delay_ms: float = Field(0.0, ge=0)
+    """Test-only: sleep this long in every disk write, to show that a slow disk never stalls."""
+
+
+class KeysConfig(_Model):
+    """The ``keys:`` section: how block keys are computed (``kvstrata.keys``)."""
+
+    hash: Literal["blake3", "xxh3"] = "blake3"
+    """``blake3``: one keyed BLAKE3 call per block gives its key and fingerprint, keyed by the
+    deployment secret (``remote.auth_key_file`` or ``$KVSTRATA_AUTH_KEY``) where one is set:
+    collision resistant, so a user who chooses prompts cannot make two blocks share a key.
+    ``xxh3``: the keys of earlier versions (their caches stay readable); fast, not collision
+    resistant, never keyed. Each scheme has namespaces of its own: switching misses everything
+    stored under the other."""
+
+
+class StrataConfig(_Model):
+    namespace: NamespaceConfig = NamespaceConfig()
+    keys: KeysConfig = KeysConfig()
+    l1: L1Config = L1Config()
+    l2: L2Config = L2Config()
+    remote: RemoteConfig = RemoteConfig()
+    saves: SaveConfig = SaveConfig()
+    lease_seconds: float = Field(60.0, gt=0)
+    """The shared folder tier (``remote.backend: fs``): ``kvstrata gc`` never deletes a block read
+    within this long (a read renews its file's mtime). An index pin held longer than this is
+    logged as overdue, and kept: a pin lasts until its holder gives it back or is gone (its lease
+    dropped, its process ended), never a deadline that could run out under an engine's copy."""
+    testing: TestingConfig = TestingConfig()
+
+    @property
+    def source(self) -> str:
+        """Where this config was read from, for messages. Kept out of ``==`` (it sits beside the
+        fields the way a ``cached_property`` does): equal settings are equal wherever they came from."""
+        return self.__dict__.get(_SOURCE_KEY, EMBEDDED)
+
+
+_SOURCE_KEY = "_kvstrata_source"

@@ -1,0 +1,394 @@
+"""The tiered block store: index + L1 memory + backing tiers (L2 disk, the shared tier).
+
+``BlockStore`` is the facade every caller uses; its primitives are listed in ``protocol.py``.
+It composes one part per concern, each in its own module:
+
+- ``parts.py``: the shared pieces (index, tiers, epochs, counters, save threads, key scheme),
+  built from the config, reading no block file.
+- ``scopes.py``: every namespace asked about, under the store's key scheme.
+- ``recovery.py``: L2's blocks into the index in a background thread (lookups adopt them by
+  header meanwhile; ``wait_recovered``).
+- ``lookup.py``: ``lookup`` / ``lookup_chain`` (and the pin of ``prepare_load``).
+- ``groups.py``: ``lookup_groups``, one boundary for all the KV-cache groups of a hybrid model.
+- ``load.py``: ``load`` into tensors, byte runs or L1.
+- ``write.py``: ``prepare_store`` / ``complete_store`` and ``save``.
+- ``evict.py``: L1 slots by LRU eviction and demotion, tier capacities, ``gc``.
+- ``bumps.py``: ``invalidate`` (a flush) and ``reset`` (an engine's, after new weights), and the
+  namespaces' descriptors kept beside their epochs (``describe``).
+- ``saver.py``: the bounded background queue and its threads.
+
+``describe`` and ``descriptors`` (what a namespace is, kept beside its epoch) are here: they are
+start-up and CLI calls, done through the epoch store (``describe.py`` says what is kept).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from kvstrata.config import StrataConfig
+from kvstrata.epochs.base import EpochStore
+from kvstrata.index import BlockIndex
+from kvstrata.keys import NO_EXTRA, BlockChain, Extra, KeyScheme, Namespace, as_tokens, extra_at
+from kvstrata.metrics import Counters, TierListener
+from kvstrata.tiers import BlockTier, DiskTier, MemoryTier
+from kvstrata.worker.arena import attach_shared_arena, remove_dead_arenas
+from kvstrata.tiers.disk import IOV_MAX
+from kvstrata.store.evict import Evictor
+from kvstrata.store.groups import GroupHit, GroupLookup, GroupRule
+from kvstrata.store.load import Loader
+from kvstrata.store.lookup import Lookup
+from kvstrata.store.parts import open_keys, open_parts
+from kvstrata.store import report, served
+from kvstrata.store.bumps import Bumps
+from kvstrata.store.recovery import Recovery
+from kvstrata.store.scopes import Scopes
+from kvstrata.store.protocol import Arena, ByteRuns, Hit, Reservation, StoreProtocol
+from kvstrata.store.write import Payloads, Writer
+
+log = logging.getLogger(__name__)
+
+
+class BlockStore:
+    """The store protocol (``protocol.StoreProtocol``) over one index, L1 and the backing tiers.
+
+    Every key is computed with the store's key scheme (``keys``, from ``keys.hash``), and every
+    namespace it is given is taken under that scheme (``scopes.Scopes``)."""
+
+    def __init__(self, config: StrataConfig | None = None, *, l1_slot_bytes: int = 0,
+                 l1_shared_path: str | None = None) -> None:
+        """``l1_shared_path`` puts the L1 arena in a file other local processes can map (the
+        engine's workers copy KV in and out of it); ``l1_slot_bytes`` fixes the slot size now
+        instead of at the first save."""
+        self.config = config or StrataConfig()
+        self._parts = open_parts(self.config, l1_slot_bytes, l1_shared_path)
+        self._evictor = Evictor(self._parts)
+        self._writer = Writer(self._parts, self._evictor)
+        self._lookups = Lookup(self._parts)
+        self._group_lookups = GroupLookup(self._parts)
+        self._loader = Loader(self._parts, self._writer, self._evictor)
+        self._arena = Arena(self._parts.l1)
+        self._scopes = Scopes(self._parts.keys.name)
+        self._bumps = Bumps(self._parts, self._evictor)
+        if self._parts.recovery is not None:
+            self._parts.recovery.start(then=self._evictor.after_recovery)
+
+    # ------------------------------------------------ for engine glue: what the tiers are, figures
+    @property
+    def arena(self) -> Arena:
+        """The read-only view of the L1 arena (slots, the shared file) for engines that copy KV in
+        and out of its slots themselves."""
+        return self._arena
+
+    @property
+    def tier_bits(self) -> dict[str, int]:
+        """Each tier's name and its bit in ``Hit.tiers``, fastest first: ``l1``, then ``l2`` and
+        ``remote`` where configured."""
+        return {tier.name: tier.bit for tier in self._parts.tiers}
+
+    def snapshot(self) -> dict[str, int]:
+        """Every counter now (``metrics.METRICS`` names those the engines export)."""
+        return self._parts.counters.snapshot()
+
+    def listen(self, listener: TierListener) -> None:
+        """``listener(tier name, metas, stored)`` hears every batch of blocks committed to
+        (``stored``) or removed from a tier, on the thread that did it (vLLM's KV events)."""
+        self._parts.counters.listen(listener)
+
+    # The shared pieces, for tools, checks and tests; engine glue never uses them
+    # (tests/test_protocol.py holds the adapters to the protocol).
+    counters: Counters = property(lambda self: self._parts.counters)  # type: ignore[assignment]
+    index: BlockIndex = property(lambda self: self._parts.index)  # type: ignore[assignment]
+    epochs: EpochStore = property(lambda self: self._parts.epochs)  # type: ignore[assignment]
+    l1: MemoryTier = property(lambda self: self._parts.l1)  # type: ignore[assignment]
+    l2: DiskTier | None = property(lambda self: self._parts.l2)  # type: ignore[assignment]
+    remote: BlockTier | None = property(lambda self: self._parts.remote)  # type: ignore[assignment]
+    tiers: list[BlockTier] = property(lambda self: self._parts.tiers)  # type: ignore[assignment]
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """L2's background recovery (None without L2), for the CLI's progress."""
+        return self._parts.recovery
+
+    # ------------------------------------------------------------------ keys
+    @property
+    def keys(self) -> KeyScheme:
+        """The key scheme every key of this store is computed with (``keys.hash``, keyed by the
+        deployment secret where one is set), for tools and tests that key blocks the store holds."""
+        return self._parts.keys
+
+    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
+              *, partial: bool = True) -> tuple[int, BlockChain]:
+        """Current epoch and the chained keys of ``tokens`` (full blocks, then the partial tail)."""
+        return self._lookups.chain(self._scopes.own(ns), tokens, extra, partial=partial)
+
+    def tail_block(self, ns: Namespace, epoch: int, parent: bytes | None, tokens: Sequence[int] | np.ndarray,
+                   extra: Extra = NO_EXTRA, *, start: int = 0) -> BlockChain:
+        """The chain of one partial block: ``tokens`` (fewer than a block, from token ``start`` of
+        the prompt) after the block ``parent`` (None: at the start of the prompt, under the root of
+        ``epoch``)."""
+        keys = self._parts.keys
+        parent = keys.root_key(self._scopes.own(ns).seed, epoch) if parent is None else parent
+        key, fp = keys.block_key(parent, as_tokens(tokens), extra_at(extra, start, start + len(tokens)))
+        return BlockChain([key], [parent], [fp], [len(tokens)])
+
+    def page_chain(self, ns: Namespace, epoch: int, digests: Sequence[bytes]) -> BlockChain:
+        """Keys for engine pages whose own digests already chain the whole prefix (SGLang's page
+        hash): page i is keyed by ``digests[i]`` alone, rooted at the namespace and ``epoch``, so
+        a page is found whatever the engine still caches before it (``KeyScheme.rooted_digests``)."""
+        keys = self._parts.keys
+        return keys.rooted_digests(keys.root_key(self._scopes.own(ns).seed, epoch), digests, ns.block_size)
+
+    def current_epoch(self, ns: Namespace) -> int:
+        """The epoch saves of ``ns`` go under (a lookup checks that it is confirmed)."""
+        return self._parts.epochs.get(self._scopes.own(ns).seed)
+
+    def group_chain(self, ns: Namespace, epoch: int, tag: bytes, tokens: Sequence[int] | np.ndarray,
+                    extra: Extra = NO_EXTRA) -> BlockChain:
+        """The full-block keys of ``tokens`` on one KV-cache group's chain of a hybrid model
+        (``KeyScheme.group_root``: under ``epoch``'s root and the group's ``tag``), as ``lookup_groups``
+        finds them."""
+        keys = self._parts.keys
+        root = keys.group_root(keys.root_key(self._scopes.own(ns).seed, epoch), tag)
+        return keys.chain_keys(root, as_tokens(tokens), ns.block_size, extra, partial=False)
+
+    # ---------------------------------------------------------------- lookup
+    def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
+               *, pin: bool = False) -> Hit:
+        """The longest valid stored prefix of ``tokens``, possibly ending in a stored partial
+        block. With ``pin`` (vLLM's ``prepare_load``) the hit's blocks are pinned until
+        ``complete_load(hit)``; ``hit.tiers`` says where each was at lookup time. Timed
+        (``lookup_seconds``)."""
+        self._serving()
+        started = time.perf_counter()
+        hit = self._lookups.lookup(self._scopes.own(ns), tokens, extra, pin=pin)
+        self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
+        return hit
+
+    def lookup_chain(self, ns: Namespace, epoch: int, chain: BlockChain, *, pin: bool = False) -> Hit:
+        """``lookup`` for a chain the caller built (``page_chain``); no partial tails."""
+        self._serving()
+        started = time.perf_counter()
+        hit = self._lookups.lookup_chain(self._scopes.own(ns), epoch, chain, pin=pin)
+        self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
+        return hit
+
+    def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra,
+                      rules: Sequence[GroupRule], *, lo: int, hi: int, pin: bool) -> GroupHit:
+        """For a hybrid model's KV-cache groups (one ``GroupRule`` each, keyed under
+        ``KeyScheme.group_root``): the largest block boundary N, ``lo < N <= hi``, at which every group
+        has the blocks it must load (full: ``[lo, N)``; window: those its window reaches; state:
+        the block ending at N), and those blocks per group; one N for all, or a miss. With ``pin``
+        each group's blocks are pinned until ``complete_load(hit.hits[g])``. Timed
+        (``lookup_seconds``)."""
+        self._serving()
+        started = time.perf_counter()
+        hit = self._group_lookups.lookup_groups(self._scopes.own(ns), tokens, extra, rules, lo=lo, hi=hi, pin=pin)
+        self._parts.counters.observe("lookup_seconds", time.perf_counter() - started)
+        return hit
+
+    def _serving(self) -> None:
+        """Tell L2's background recovery, if still running, to make way for a request."""
+        recovery = self._parts.recovery
+        if recovery is not None and not recovery.done:
+            recovery.note_request()
+
+    def complete_load(self, hit: Hit) -> None:
+        """Give back the pin of a pinned lookup (nothing for an unpinned one)."""
+        if hit.lease is not None:
+            self._parts.index.unpin(hit.lease)
+
+    def stored_mask(self, ns: Namespace, epoch: int, chain: BlockChain) -> np.ndarray:
+        """Which blocks of ``chain`` are validly stored now (bool per block)."""
+        return self._parts.index.valid_mask(self._scopes.own(ns).seed, epoch, chain)
+
+    # ------------------------------------------------------------------ load
+    # Each load is timed here, labelled by the outermost tier it may read (``load_seconds_<tier>``).
+    def load_into(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor) -> int:
+        """Copy the hit's blocks into ``out``, one uint8 row per block (a tensor ``[n, >= size]``
+        or a list); returns how many leading blocks are valid (the engine recomputes the rest)."""
+        return self._timed(hit, lambda: self._loader.load_into(hit, out))
+
+    def load_runs(self, hit: Hit, runs: ByteRuns) -> int:
+        """Load the hit's blocks into the caller's memory (SGLang's host pool): L1-resident ones
+        through ``runs.from_l1``, disk ones straight into ``runs.runs(i)`` (needs ``direct_reads``),
+        the rest staged through L1. Returns how many leading blocks are valid."""
+        return self._timed(hit, lambda: self._loader.load_runs(hit, runs))
+
+    def stage(self, hit: Hit, *, local_copy: bool = True) -> int:
+        """Make the hit's blocks resident in L1 (``arena.slots(hit)`` then names their slots);
+        returns how many leading blocks are. Blocks read from the shared tier are also written to
+        L2 in the background unless ``local_copy`` is False."""
+        return self._timed(hit, lambda: self._loader.stage(hit, local_copy=local_copy))
+
+    def stage_later(self, hit: Hit, on_done: Callable[[int | None], None], *, local_copy: bool = True) -> bool:
+        """``stage`` on a save thread: ``on_done(n)`` hears how many leading blocks are in L1
+        (None if the job failed); False, and nothing queued, when the queue is full. Timed from
+        now to the end of the job (its wait in the queue included)."""
+        self._serving()
+        started, sample = time.perf_counter(), served.load_sample(self._parts, hit)
+
+        def done(n: int | None) -> None:
+            self._parts.counters.observe(sample, time.perf_counter() - started)
+            on_done(n)
+
+        return self._loader.stage_later(hit, done, local_copy=local_copy)
+
+    def _timed(self, hit: Hit, load: Callable[[], int]) -> int:
+        self._serving()
+        started, sample = time.perf_counter(), served.load_sample(self._parts, hit)
+        n = load()
+        self._parts.counters.observe(sample, time.perf_counter() - started)
+        return n
+
+    def origins(self, hit: Hit) -> list[str]:
+        """Per block of ``hit``, the tier a load serves it from now: ``l1`` where resident in an L1
+        slot, else the first backing tier that holds it (``l1`` for a block no tier holds any
+        more: the load stops before it)."""
+        return served.origins(self._parts, hit)
+
+    def count_served(self, origins: Sequence[str], tokens: Sequence[int], *, copied_from_l1: bool = True,
+                     l1_bytes: int = 0) -> None:
+        """The engine took the leading blocks of a hit: block i from tier ``origins[i]`` (see
+        ``origins``) with ``tokens[i]`` of its tokens. Counts ``hit_tokens_<tier>``; with
+        ``copied_from_l1`` (the engine copied the L1 blocks out of their slots itself, after a
+        ``stage``) ``hit_blocks_l1`` for them (blocks of backing tiers were counted by the reads
+        that brought them in, and ``load_into``/``load_runs`` count their own); ``l1_bytes_read``
+        bytes the engine copied out of L1 slots; and ``served_tokens``, all of them."""
+        served.count_served(self._parts, origins, tokens, copied_from_l1, l1_bytes)
+
+    # ----------------------------------------------------------------- store
+    def prepare_store(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
+        """Fresh L1 slots for the blocks of ``chain`` not stored yet (a prefix of them if L1 is
+        full): the caller fills ``arena.data[slot, :size]`` for ``res.slots`` (``res.metas``
+        name the blocks), then calls ``complete_store``. Nobody can see the slots until then. No
+        slots while this instance has not joined the namespace's epoch (see ``reset``)."""
+        return self._writer.prepare_store(self._scopes.own(ns), epoch, chain, size)
+
+    def complete_store(self, res: Reservation, success: bool = True, *, wait: bool = False) -> int:
+        """Publish the filled slots of ``res`` (the index sees them from now on) and write them
+        through, on the save threads or, with ``wait``, before returning; or, with ``success``
+        False (a slot was not filled), give the slots back. Returns the blocks published."""
+        return self._writer.complete_store(res, success, wait=wait)
+
+    def save(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads,
+             on_done: Callable[[int], None] | None = None) -> bool:
+        """Store the blocks of ``chain`` not validly stored yet, on a save thread: ``src[i]`` is
+        block i's bytes (tensors; a uint8 view is taken), copied into L1 and written through from
+        there. Returns at once: False (and counted) when the queue is full. ``src`` must stay
+        unchanged until ``on_done(blocks_stored)`` (0 if the job failed). Also False (and counted,
+        ``not_joined_saves``) while this instance has not joined the namespace's epoch."""
+        return self._writer.save(self._scopes.own(ns), epoch, chain, src, on_done)
+
+    def save_now(self, ns: Namespace, epoch: int, chain: BlockChain, src: Payloads) -> int:
+        """``save`` on the calling thread; returns the blocks stored."""
+        return self._writer.save_now(self._scopes.own(ns), epoch, chain, src)
+
+    def save_runs(self, ns: Namespace, epoch: int, chain: BlockChain, runs: ByteRuns) -> int:
+        """Store the blocks of ``chain`` not validly stored yet straight from the caller's memory
+        to L2, bypassing L1 (needs ``direct_writes``); returns the blocks stored."""
+        return self._writer.save_runs(self._scopes.own(ns), epoch, chain, runs)
+
+    @property
+    def direct_writes(self) -> bool:
+        """Whether ``save_runs`` may be used, and ``complete_store(wait=True)`` writes L2 on the
+        calling thread and the save threads together: L2 written through, no shared tier."""
+        return self._writer.direct_writes
+
+    @property
+    def direct_reads(self) -> bool:
+        """Whether ``load_runs`` reads disk blocks straight into the runs (an L2 exists)."""
+        return self._parts.l2 is not None
+
+    @property
+    def max_runs(self) -> int:
+        """The most runs one block of ``ByteRuns`` may have: one ``preadv``/``pwritev`` moves the
+        block's header and its runs together."""
+        return IOV_MAX - 1
+
+    def wait_recovered(self, timeout: float | None = None) -> bool:
+        """Wait until the background scan has brought every L2 block into the index (True), or
+        ``timeout`` seconds (False). Serving never needs it (lookups find blocks by header); the
+        figures of ``stats`` and the LRU order are complete only after it."""
+        recovery = self._parts.recovery
+        return recovery is None or recovery.wait(timeout)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued saves (tests, shutdown)."""
+        return self._parts.saver.flush(timeout)
+
+    # ------------------------------------------------- invalidation, gc, stats
+    def invalidate(self, ns_seed: bytes) -> int | None:
+        """A flush (no weights changed: ``kvstrata invalidate``): bump the namespace epoch, keeping
+        its generation, so that from now on no older entry is served, and every instance adopts
+        the new epoch. Returns the new epoch, or None when it could not be written where the other
+        instances read it (the shared tier is unreachable): counted (``invalidation_failures``) and
+        logged. This instance then serves nothing of the namespace until the new epoch is written
+        (retried at every use); the other instances go on with the old one until then."""
+        return self._bumps.flush(self._scopes.seed(ns_seed))
+
+    def reset(self, ns_seed: bytes) -> int | None:
+        """The engine's reset after a weight update (vLLM's ``reset_prefix_cache(reset_connector=
+        True)``, ``kvstrata invalidate --weights``): no older entry is served from now on, and the
+        other instances, which may still hold the old weights, serve and save nothing of the
+        namespace until each resets too (``joins``). If another instance's reset made the current
+        epoch after this one last joined, this reset joins that epoch (counted, ``epoch_joins``)
+        instead of starting yet another generation; otherwise it starts one (``invalidations``).
+        Returns the epoch now joined, or None as ``invalidate``."""
+        return self._bumps.reset(self._scopes.seed(ns_seed))
+
+    def joined(self, ns_seed: bytes) -> bool:
+        """Whether this instance serves and saves the namespace: False after a reset made
+        elsewhere (another instance's new weights) until this instance resets itself."""
+        return self._parts.epochs.joined(self._scopes.seed(ns_seed))
+
+    def gc(self, only: list[bytes] | None = None) -> dict[str, int]:
+        """Reclaim unpinned entries of older epochs, then enforce every tier's capacity."""
+        return self._evictor.gc(only)
+
+    def namespaces(self) -> list[bytes]:
+        return self._evictor.namespaces()
+
+    def describe(self, ns: Namespace) -> None:
+        """Record what ``ns`` is (model, weights version, KV dtype, layout, tenant) beside its epoch,
+        where every store sharing the epochs reads it: ``kvstrata stats`` names the model, and
+        ``kvstrata invalidate --model`` finds the namespace. Adapters call it once at start (it
+        also creates the namespace's epoch, so the namespace is listed before its first block);
+        never on a lookup or save path. Never raises: a failure is logged and costs names only."""
+        self._bumps.describe(self._scopes.own(ns))
+
+    def descriptors(self, seeds: Iterable[bytes] | None = None) -> dict[bytes, Namespace]:
+        """The recorded namespaces, by seed (default: every namespace the store knows), read back
+        as untrusted input: a descriptor that does not hash to its namespace is skipped, logged and
+        counted (``bad_descriptors``)."""
+        return report.descriptors(self._parts, self.namespaces() if seeds is None else seeds)
+
+    def resident(self) -> dict[str, int]:
+        """``<tier>_resident_blocks`` and ``<tier>_resident_bytes`` for every tier, and
+        ``namespaces_not_joined``: the gauges both adapters export. One vectorized count over the
+        index (a byte per row), cheap enough for every engine step; unlike ``stats`` it reads
+        nothing from disk or the network."""
+        return report.resident(self._parts)
+
+    def stats(self) -> dict[str, object]:
+        """Tiers, blocks and bytes per namespace and epoch, current epochs, the namespaces this
+        instance has not joined (``joined``), descriptors and counters (``kvstrata stats``)."""
+        return report.stats(self._parts)
+
+    def close(self) -> None:
+        if self._parts.recovery is not None:
+            self._parts.recovery.stop()
+        self._parts.saver.close()
+        self._parts.epochs.close()
+        for tier in self._parts.tiers:
+            tier.close()
+
+    def __enter__(self) -> "BlockStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
