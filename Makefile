@@ -12,8 +12,10 @@ demo:
 	@if [ -z "$(MODEL)" ]; then .venv/bin/python examples/make_tiny_model.py $(TINY) --preset tiny; fi
 	.venv/bin/kvstrata demo --model $(or $(MODEL),$(TINY)) --config $(CONFIG) $(if $(MODEL),,--dtype float32)
 
+# The wheel's own check (scripts/check_wheel.sh: built, installed alone, its commands run) first.
 test:
 	scripts/setup.sh test
+	scripts/check_wheel.sh
 	.venv/bin/python -m pytest -n 2 --durations=20
 
 bench:

@@ -5,6 +5,8 @@ baselines it competes with, in one run, with their ratios.
   LMCache (``--engine vllm``); or SGLang's HiCache file backend beside kvstrata (``--engine sglang``).
 - ``serve``: a trace replayed against real servers, each configuration beside the baselines.
 - ``remote``: the Redis tier beside raw redis-py on the same server, invalidation latency.
+- ``store-sglang``: SGLang's file backend beside kvstrata's StrataStorage, pages moved as SGLang's
+  cache controller moves them (in ``./.venv-sglang`` when SGLang does not import here).
 
 The operator's own benchmarks (``store``, ``copy``, ``decode``, ``identity``) are ``kvstrata bench``.
 """
@@ -54,6 +56,17 @@ def _remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_sglang(args: argparse.Namespace) -> int:
+    from benchmarks.store_sglang import sglang_fields
+
+    result = sglang_fields(args.quick)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    if "sglang_reason" in result:
+        print(result["sglang_reason"], file=sys.stderr)
+        return 2
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from benchmarks import serve, ttft
 
@@ -72,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     rm.add_argument("--quick", action="store_true", help="fewer rounds")
     rm.add_argument("--json", action="store_true", help="only the JSON line (the default output)")
     rm.set_defaults(handler=_remote)
+    sg = sub.add_parser("store-sglang", help="SGLang's file backend beside StrataStorage, in SGLang's environment")
+    sg.add_argument("--quick", action="store_true", help="64 pages and 3 rounds instead of 256 and 5")
+    sg.add_argument("--json", action="store_true", help="one JSON line (the default prints it indented)")
+    sg.set_defaults(handler=_store_sglang)
     return p
 
 

@@ -8,8 +8,8 @@ either way a conversation's turn waits for its previous turn to finish (the next
 extends the previous one, as a chat client's would). A failed request is counted, never fatal.
 
 Output: the scaling and settings, a markdown table per run (TTFT p50/p90/p99, end-to-end p50,
-requests/s, output tokens/s, hit rate, prompt tokens per tier, errors), the ratios the issue's
-targets are stated in, and with ``--json`` one JSON object as the last stdout line.
+requests/s, output tokens/s, hit rate, prompt tokens per tier, errors), the ratios kvstrata's
+targets (``TARGETS``) are stated in, and with ``--json`` one JSON object as the last stdout line.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONFIGS = {"vllm": "baseline,strata-l1l2,peer,lmcache", "sglang": "baseline,strata-l1l2,peer"}
 STRATA = ("strata-l1l2", "strata-remote")
-# (name, ours, other, metric, bound): the issue's targets, checked per concurrency
+# (name, other, metric, bound): the targets kvstrata is held to beside each other configuration, per concurrency
 TARGETS = (("throughput vs baseline", "baseline", "throughput_req_s", 1.6),
            ("TTFT p50 vs baseline", "baseline", "ttft_p50_ms", 0.5),
            ("throughput vs peer", "peer", "throughput_req_s", 1.2),
@@ -239,7 +239,7 @@ def failed(config: str, concurrency: int | None, n: int, why: str) -> dict[str, 
 
 
 def ratios(results: list[dict[str, Any]], reference: float) -> list[dict[str, Any]]:
-    """Every target of the issue, per concurrency and kvstrata config, with its measured value."""
+    """Every target (``TARGETS``, and the P/D pair's), per concurrency and kvstrata config, with its measured value."""
     out = []
     for r in results:
         if r["config"] not in STRATA + REFERENCES or r["throughput_req_s"] is None:
@@ -413,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     for c in checks:
         shown = f"{c['value']:.3f}" + (f" (TTFT change {c['value'] - 1:+.0%})" if "TTFT" in c["target"] else "")
-        if c["bound"] is None:  # a comparison the issue sets no bound for
+        if c["bound"] is None:  # a comparison printed for reference, with no bound
             print(f"- c={c['concurrency'] or 'ts'} {c['config']}: {c['target']}: {shown}")
             continue
         print(f"- c={c['concurrency'] or 'ts'} {c['config']}: {c['target']}: {shown}, target "

@@ -158,6 +158,7 @@ def _lmcache_server(s: Settings, folder: Path, env: dict[str, str]) -> Iterator[
         proc.wait()
 
 
+DISAGG_TIMEOUT_MS = 2000  # the shared tier's call timeout in the P/D pair's YAML (default 200)
 LMCACHE_CHUNK = 256  # LMCache's default chunk; see README of the bench for why not the block size
 
 
@@ -193,10 +194,8 @@ def vllm_flags(s: Settings) -> list[str]:
 
 
 def _vllm(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -> Endpoint:
-    if config == "disagg":  # two servers and a router (serve_disagg.py)
-        from benchmarks import serve_disagg
-
-        return serve_disagg.launch(s, folder, stack)
+    if config == "disagg":  # two servers and a router (its figures: serve_disagg.py)
+        return _disagg(s, folder, stack)
     env = common_env(s)
     kv: dict[str, Any] | None = None
     if config == "strata-l1l2":
@@ -215,6 +214,31 @@ def _vllm(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -
     cmd = vllm_command(s.model, port, kv, block_size=s.block_tokens, extra=vllm_flags(s))
     stack.enter_context(Server(cmd, folder / "server.log", port, env=env, timeout=s.start_timeout))
     return Endpoint("vllm", f"http://127.0.0.1:{port}", s.model, s.request_timeout)
+
+
+def _disagg(s: Settings, folder: Path, stack: contextlib.ExitStack) -> Endpoint:
+    """``disagg``: Redis, a ``kv_producer`` and a ``kv_consumer`` server (each with every other
+    setting of the bench's servers: block size, device KV cache, batch size, kvstrata's CPU tier,
+    no disk tier, as ``strata-remote``) and the router in front of them; all stopped by ``stack``.
+    The shared tier's calls get ``DISAGG_TIMEOUT_MS``: a decode leg reads a whole prompt from it in
+    one batch, tens of MB for a long prompt of a real model."""
+    url = stack.enter_context(redis_server(s.redis_url, folder / "redis"))
+    servers = []
+    for role in ("kv_producer", "kv_consumer"):
+        yaml = strata_yaml(folder / f"{role}.yaml", s, folder, url)
+        yaml.write_text(yaml.read_text().replace("remote:\n", f"remote:\n  timeout_ms: {DISAGG_TIMEOUT_MS}\n"))
+        kv = {**ttft.strata_transfer_config(yaml), "kv_role": role}
+        port = free_port()
+        servers.append(Server(vllm_command(s.model, port, kv, block_size=s.block_tokens, extra=vllm_flags(s)),
+                              folder / f"{role}.log", port, env=common_env(s), timeout=s.start_timeout))
+    for server in servers:  # one after the other: two engines starting at once on a small CPU time
+        stack.enter_context(server)  # out the shared tier's calls, and its breaker drops the first saves
+    prefill, decode = servers
+    port = free_port()
+    stack.enter_context(Server([sys.executable, "-m", "kvstrata.tools.pd_router", "--port", str(port), "--prefill",
+                                prefill.url, "--decode", decode.url, "--timeout", str(s.request_timeout)],
+                               folder / "router.log", port, timeout=60, kind=None))
+    return Endpoint("vllm", f"http://127.0.0.1:{port}", s.model, s.request_timeout, metrics_url=decode.url)
 
 
 def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -> Endpoint:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, on a machine that has torch and CUDA but not kvstrata's environment:
-# tests/test_blockcopy.py (its CUDA cases) and `kvstrata bench copy --device cuda`.
+# tests/worker/test_copy.py (its CUDA cases) and `kvstrata bench copy --device cuda`.
 #
 #   scripts/gpu_check.sh prepare   here: kvstrata's pure-Python needs beyond torch as wheels in .whl/
 #                                  (pydantic and its parts, the versions of ./.venv; add .whl to
@@ -25,7 +25,7 @@ case "${1:-}" in
     export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
     status=0  # the benchmark runs even when a test failed; the exit status says whether anything did
-    timeout 150 python3 -m pytest --noconftest -p no:cacheprovider -q -rA tests/test_blockcopy.py 2>&1 |
+    timeout 150 python3 -m pytest --noconftest -p no:cacheprovider -q -rA tests/worker/test_copy.py 2>&1 |
       tee "$out/tests.txt" || status=1
     bench='import sys; from kvstrata.cli.main import main; sys.exit(main(sys.argv[1:]))'
     timeout 150 python3 -c "$bench" bench copy --device cuda 2>&1 | tee "$out/bench.txt" || status=1

@@ -1,108 +1,32 @@
-"""Shared builders for the kvstrata tests.
+"""The fixtures and pytest hooks of the whole suite.
 
-The plain functions (``make_config``, ``make_namespace``, ``payload_for``, ...) can be imported
-from test modules (``from conftest import ...``) and from child-process helper scripts; the
-fixtures below wrap them for tests that prefer injection.
-
-Payloads are derived from block keys (``payload_for``), so any loaded block can be checked
-against the key it was stored under without remembering what was written.
+The fixtures wrap the builders of tests/builders.py (``make_config``, ``make_namespace``, ...;
+test modules import those directly: ``from tests.builders import ...``). The hooks group tests
+for pytest-xdist's workers, set the environment the tests' processes share, and count engine starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping
 
-import numpy as np
 import pytest
-import torch
 
-from kvstrata.config import StrataConfig, load_config
-from kvstrata.keys import BlockChain, Namespace
-from kvstrata.store import BlockStore, Hit
+from kvstrata.config import StrataConfig
+from kvstrata.keys import Namespace
+from kvstrata.store import BlockStore
+from tests.builders import BASELINES_ENV, make_config, make_namespace
 from tests.harness.starts import STARTS_ENV, count_engine_starts
-
-BLOCK_SIZE = 16  # tokens per block
-BLOCK_BYTES = 256  # payload bytes per block (tiny on purpose)
-
-
-def make_config(tmp_path: Path, overrides: Mapping[str, Any] | None = None, /,
-                **kwargs: Any) -> StrataConfig:
-    """A validated config whose L2 lives under ``tmp_path/"l2"``.
-
-    Overrides use dotted keys, either as a mapping (``{"l2.write": "on_evict"}``) or as keyword
-    arguments with ``__`` for the dot (``l2__write="on_evict"``, ``lease_seconds=0.2``).
-    """
-    merged: dict[str, Any] = {
-        "l2.path": str(Path(tmp_path) / "l2"),
-        "l1.size": 1 << 20,
-        "l1.pin_memory": False,
-        "l2.size": 64 << 20,
-    }
-    merged.update(overrides or {})
-    merged.update({k.replace("__", "."): v for k, v in kwargs.items()})
-    return load_config(None, merged)
-
-
-def make_namespace(**changes: Any) -> Namespace:
-    fields: dict[str, Any] = dict(engine="test", model="tiny", model_version="v1",
-                                  kv_dtype="bfloat16", layout="4x[2,16,64]", block_size=BLOCK_SIZE)
-    fields.update(changes)
-    return Namespace(**fields)
-
-
-def payload_for(key: bytes, size: int = BLOCK_BYTES) -> torch.Tensor:
-    """Deterministic uint8 payload of ``size`` bytes derived from ``key`` (the key, repeated,
-    with a position ramp mixed in so that no two offsets of a block look alike)."""
-    reps = -(-size // len(key))
-    base = np.frombuffer((key * reps)[:size], dtype=np.uint8)
-    ramp = (np.arange(size, dtype=np.uint32) * 7 % 251).astype(np.uint8)
-    return torch.from_numpy(base ^ ramp)
-
-
-def payloads_for(chain: BlockChain, size: int = BLOCK_BYTES) -> torch.Tensor:
-    """``[len(chain), size]`` uint8 tensor: row i is ``payload_for(chain.keys[i])``."""
-    if not chain.keys:
-        return torch.empty((0, size), dtype=torch.uint8)
-    return torch.stack([payload_for(k, size) for k in chain.keys])
-
-
-def random_tokens(seed: int | str, n: int, vocab: int = 50_000) -> np.ndarray:
-    rng = random.Random(seed)
-    return np.array([rng.randrange(vocab) for _ in range(n)], dtype=np.uint32)
-
-
-def store_prompt(store: BlockStore, ns: Namespace, tokens: Sequence[int] | np.ndarray,
-                 size: int = BLOCK_BYTES) -> tuple[BlockChain, int]:
-    """Synchronously store every block of ``tokens`` (partial tail included).
-
-    Returns the chain and the number of blocks newly stored."""
-    epoch, chain = store.chain(ns, tokens)
-    return chain, store.save_now(ns, epoch, chain, payloads_for(chain, size))
-
-
-def load_hit(store: BlockStore, hit: Hit, size: int = BLOCK_BYTES) -> tuple[int, torch.Tensor]:
-    """Load a hit into a fresh zeroed buffer; returns (blocks loaded, buffer)."""
-    out = torch.zeros((hit.num_blocks, size), dtype=torch.uint8)
-    return store.load_into(hit, out), out
-
-
-def assert_payloads_match(keys: Iterable[bytes], out: torch.Tensor, n: int,
-                          size: int = BLOCK_BYTES) -> None:
-    """The first ``n`` rows of ``out`` are exactly the payloads of the first ``n`` keys."""
-    for i, key in enumerate(list(keys)[:n]):
-        assert torch.equal(out[i], payload_for(key, size)), f"block {i} has another block's bytes"
 
 
 @pytest.fixture
 def redis_url(tmp_path: Path):
     """A redis-server of this test's own on loopback (``redisutil.standalone``): its URL."""
-    import redisutil
+    from tests.harness import redisutil
 
     with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
         yield url
@@ -167,14 +91,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return GroupScheduling(config, log)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Collection order: the engine tests first, each layer in its own order. (By name, the unit
+    tests' folders ``adapters/``, ``cli/``, ``config/`` would come before ``engines/``.)"""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/engines/"))
+
+
 # ------------------------------------------------------------------------- engine start count
 # Every engine start appends a line to the file $KVSTRATA_ENGINE_STARTS names (tests/harness/starts.py):
-# the tests' launchers (tests/engines/conftest.py) and the kvstrata commands the tests run. The
+# the tests' launchers (tests/engines/launchers.py) and the kvstrata commands the tests run. The
 # session (the controller, when pytest-xdist runs workers: they inherit the variable) prints them.
 TOOL_PROCESSES = ("main.py", "ttft_worker.py", "__main__.py", "kvstrata")  # a kvstrata command's own engine processes
-
-
-BASELINES_ENV = "KVSTRATA_TEST_BASELINES"  # the engine tests' no-connector outputs (tests/engines/conftest.py)
 
 
 # OpenMP threads that wait for work sleep instead of spinning. Two test workers run engines side by

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, NamedTuple, Sequence
-
-if TYPE_CHECKING:
-    from kvstrata.store import BlockStore
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 TIERS = ("l1", "l2", "remote")  # the tier names, as the config sections name them
 MAX_SAMPLES = 4096  # per histogram and interval: a stalled scraper must not grow memory
@@ -116,32 +113,12 @@ SOURCES = {source: (m, values) for m in METRICS for source, values in m.children
 # ------------------------------------------------------------ engine-neutral export helpers
 class Figures(NamedTuple):
     """What a store reports to an engine's metrics in one interval (keys are ``SOURCES`` names;
-    names that are not a series are only logged)."""
+    names that are not a series are only logged), as ``kvstrata.adapters.figures.FigureCollector``
+    makes it from the store's ``figures()``."""
 
     counters: dict[str, int]  # increments since the last report
     gauges: dict[str, int]  # current values
     samples: dict[str, list[float]]  # latency samples since the last report
-
-
-class FigureCollector:
-    """A store's ``Figures`` since the last call: counter deltas, latency samples and, in an
-    interval where a counter moved, bytes and blocks resident per tier (``BlockStore.resident``).
-    One collector per reporting loop (it remembers the last values)."""
-
-    def __init__(self, store: "BlockStore") -> None:
-        self.store = store
-        self._last: dict[str, int] = {}
-
-    def collect(self, snapshot: dict[str, int] | None = None) -> Figures | None:
-        """``snapshot``: the store's ``counters.snapshot()`` if the caller took one already."""
-        now = self.store.counters.snapshot() if snapshot is None else snapshot
-        last = self._last
-        delta = {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
-        self._last = now
-        samples = self.store.counters.take_samples()
-        if not (delta or samples):
-            return None
-        return Figures(delta, self.store.resident() if delta else {}, samples)
 
 
 def make_series(make: Mapping[str, Callable[..., Any]], labelnames: Sequence[str],

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import run_command
+from engines.launchers import run_command
 
 # A benchmark starts engines one after the other (up to eight): slow on 2 shared cores.
 pytestmark = pytest.mark.timeout(900)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import needs_sglang, run_command, sglang_python
+from engines.launchers import needs_sglang, run_command
 
 # A benchmark starts engines one after the other (up to eight): slow on 2 shared cores.
 pytestmark = pytest.mark.timeout(900)
@@ -46,7 +46,7 @@ def test_bench_ttft_sglang_serves_the_prompt_from_kvstrata_with_the_cold_output(
 
 @needs_sglang
 def test_store_comparison_with_sglang_file_backend_reports_positive_rates():
-    res = run_command([sglang_python(), "-m", "benchmarks.store_sglang", "--quick", "--json"],
+    res = run_command([sys.executable, "-m", "benchmarks", "store-sglang", "--quick", "--json"],
                       cwd=ROOT, timeout=850)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

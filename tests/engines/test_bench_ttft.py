@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import run_command
+from engines.launchers import run_command
 
 pytest.importorskip("vllm")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from engines.conftest import (PAGE, SGLangServers, ids, needs_sglang, new_sglang_server, sglang_config,
+from engines.launchers import (PAGE, SGLangServers, ids, needs_sglang, new_sglang_server, sglang_config,
                               sglang_generate, sglang_log, sglang_python)
 from tests.harness.sglang_server import SGLangServer, SGLangUnavailable
 

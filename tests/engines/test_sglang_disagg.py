@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's prefill/decode split on CPU, through kvstrata's store (issue 30 item 1).
+"""SGLang 0.5.23's prefill/decode split on CPU, through kvstrata's store.
 
 What SGLang 0.5.23 does (``sglang/srt/disaggregation/``, ``arg_groups/pd_disaggregation_hook.py``):
 
@@ -46,7 +46,7 @@ from typing import Any
 
 import pytest
 
-from engines.conftest import (PAGE, SGLangServers, sglang_probe, ids, needs_sglang, new_sglang_server, sglang_args,
+from engines.launchers import (PAGE, SGLangServers, sglang_probe, ids, needs_sglang, new_sglang_server, sglang_args,
                               sglang_config, sglang_log, sglang_python, tiny_model)
 from kvstrata.tools.serving import free_port
 from tests.harness.sglang_server import SGLangServer
@@ -59,7 +59,7 @@ MOONCAKE_WHEEL = "mooncake-transfer-engine-non-cuda"
 
 # In the SGLang environment (no server): SGLang's own argument resolution of the test server's
 # flags in each P/D mode, and what stands between its Mooncake path and a CPU.
-IN_PROCESS = """  # after SGLANG_PROBE (tests/engines/conftest.py)
+IN_PROCESS = """  # after SGLANG_PROBE (tests/engines/launchers.py)
 def resolve(*extra):
     return lambda: prepare_server_args(argv + list(extra)).resolve_once()
 def engine():

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23 on the two tiny hybrid presets of examples/make_tiny_model.py (issue 28), CPU.
+"""SGLang 0.5.23 on the two tiny hybrid presets of examples/make_tiny_model.py, CPU.
 
 - ``hybrid-ssm`` (Qwen3-Next: three gated-delta-net layers and one full-attention layer): SGLang
   refuses it at start-up, before the model loads, with or without HiCache and whatever the storage
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import (PAGE, SGLANG_REQUEST_TIMEOUT, SGLANG_START_TIMEOUT, ids, needs_sglang, sglang_args, sglang_config,
+from engines.launchers import (PAGE, SGLANG_REQUEST_TIMEOUT, SGLANG_START_TIMEOUT, ids, needs_sglang, sglang_args, sglang_config,
                               sglang_generate, sglang_python, tiny_model)
 from tests.harness.sglang_server import SGLangServer, SGLangUnavailable, cpu_env
 

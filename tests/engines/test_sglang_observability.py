@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from engines.conftest import PAGE, SGLangServers, ids, needs_sglang, sglang_config, sglang_python
+from engines.launchers import PAGE, SGLangServers, ids, needs_sglang, sglang_config, sglang_python
 from engines.test_sglang import block_files
 from kvstrata.metrics import METRICS
 from tests.harness.sglang_server import SGLangServer, SHIMS

@@ -1,4 +1,4 @@
-"""SGLang's runtime settings that change the KV are in the storage backend's namespace (issue 39, item 3).
+"""SGLang's runtime settings that change the KV are in the storage backend's namespace.
 
 The backend reads the running server's resolved settings (``model_settings`` in
 adapters/sglang/namespace.py: SGLang's "model" config namespace and the ModelConfig it resolves
@@ -8,7 +8,7 @@ the namespace is derived from them: no server starts (``sglang_probe``, a few se
 
 Servers on one store that differ only where the KV does not (the served name, a copy of the model
 folder elsewhere, another process) share it: test_sglang.py's second server hits what the first
-stored. The vLLM side: tests/test_vllm_namespace.py and test_vllm_overrides.py.
+stored. The vLLM side: tests/adapters/test_vllm_namespace.py and test_vllm_overrides.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from engines.conftest import needs_sglang, sglang_probe
+from engines.launchers import needs_sglang, sglang_probe
 
 pytestmark = needs_sglang
 

@@ -1,5 +1,5 @@
 """SGLang 0.5.23 on CPU with HiCache and StrataStorage: pipeline parallelism, MLA and speculative
-decoding (issue 29 item 4).
+decoding.
 
 - Pipeline parallelism (``--pp-size 2``, the tiny Llama) runs, with one CPU per stage
   (``SGLANG_CPU_OMP_THREADS_BIND=0|1``: without it SGLang refuses more ranks than NUMA nodes).
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import (PAGE, SGLangServers, sglang_probe, ids, needs_sglang, new_sglang_server, sglang_args,
+from engines.launchers import (PAGE, SGLangServers, sglang_probe, ids, needs_sglang, new_sglang_server, sglang_args,
                               sglang_config, sglang_generate, sglang_log, tiny_model)
 from kvstrata.format.block import HEADER_SIZE, unpack_header
 from tests.harness.sglang_server import SGLangServer, SGLangUnavailable
@@ -108,7 +108,7 @@ def eagle_head(target: str, out: Path) -> str:
 # In the SGLang environment, with the shims' import hook: SGLang's own argument resolution of the
 # test server's flags plus NGRAM, the import its scheduler does for an NGRAM worker, and the CPU
 # rotary embedding DeepSeek's attention asks for with the mla preset's default RoPE.
-IN_PROCESS = """  # after SGLANG_PROBE (tests/engines/conftest.py)
+IN_PROCESS = """  # after SGLANG_PROBE (tests/engines/launchers.py)
 def ngram_worker():
     import sglang.srt.speculative.ngram_worker
 def default_rope():

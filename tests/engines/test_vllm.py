@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.cli.stats_view import size_text
-from engines.conftest import BS, FORK_A, FORK_B, LONG, SHARED, delta, disk_config, gen, run_command, run_once, salt
+from engines.launchers import BS, FORK_A, FORK_B, LONG, SHARED, delta, disk_config, gen, run_command, run_once, salt
 
 pytest.importorskip("vllm")
 
@@ -132,7 +132,7 @@ def test_corrupted_block_on_disk_is_recomputed_and_counted(disk_pair, baseline):
 
 def test_bad_connector_config_fails_at_start_with_kvstrata_message(vllm_engine, tmp_path):
     """One engine start: a config that cannot be read takes the same path out of the connector
-    (``load_config``'s ConfigError), whose message tests/test_config.py checks."""
+    (``load_config``'s ConfigError), whose message tests/config/test_config.py checks."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("l1:\n  size: 1GiB\n  colour: blue\n")
     text = vllm_engine(bad, name="bad").wait_failed()

@@ -1,4 +1,4 @@
-"""A real vLLM engine (CPU, tiny model) with an authenticated Redis shared tier (issue 31, part 1),
+"""A real vLLM engine (CPU, tiny model) with an authenticated Redis shared tier (a secret),
 fed forged values while it serves, and sharing its Redis with a second tenant that holds another
 secret.
 
@@ -25,7 +25,7 @@ import redis
 import torch
 import xxhash
 
-import redisutil
+from tests.harness import redisutil
 from kvstrata import BlockStore
 from kvstrata.format.auth import Auth
 from kvstrata.format.block import HEADER, HEADER_SIZE, payload_checksum, unpack_header
@@ -33,7 +33,7 @@ from kvstrata.config import load_config
 from kvstrata.epochs.descriptors import decode as decode_descriptor
 from kvstrata.keys import extra_digest
 from kvstrata.store.parts import open_keys
-from engines.conftest import BS, LONG, gen
+from engines.launchers import BS, LONG, gen
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
 

@@ -1,4 +1,4 @@
-"""Prefill/decode split through the store (issue 30): a vLLM server with ``kv_role: kv_producer``
+"""Prefill/decode split through the store: a vLLM server with ``kv_role: kv_producer``
 (prefill), one with ``kv_consumer`` (decode), one shared tier, and the router
 (``kvstrata.tools.pd_router``) in front of them, all real processes.
 
@@ -23,8 +23,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-import redisutil
-from engines.conftest import BS, Baselines, VllmServer, gen, salt
+from tests.harness import redisutil
+from engines.launchers import BS, Baselines, VllmServer, gen, salt
 from kvstrata.tools import serving
 from kvstrata.tools.client import Completion, acomplete, session
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import redis
 
-import redisutil
+from tests.harness import redisutil
 from kvstrata.format.block import HEADER_SIZE, pack_header, payload_checksum, unpack_header
 from kvstrata.config import load_config
 from kvstrata.keys import extra_digest
 from kvstrata.store.parts import open_keys
-from engines.conftest import BS, LONG, StepEngine, gen
+from engines.launchers import BS, LONG, StepEngine, gen
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
 

@@ -1,4 +1,4 @@
-"""Hybrid models on the real vLLM engine with kvstrata (issue 28): vLLM's hybrid KV cache manager
+"""Hybrid models on the real vLLM engine with kvstrata: vLLM's hybrid KV cache manager (HMA)
 stays on, and a prefix hit resumes every KV cache group at one block boundary.
 
 Two presets of examples/make_tiny_model.py: ``hybrid-swa`` (Gemma 3 text: three sliding-window
@@ -12,7 +12,7 @@ the window, shorter than a block) resume at the last block boundary before their
 Two attacks on the stored units of salted copies, on disk and in Redis: one sliding-window or SSM
 unit at the hit's boundary deleted, and one full-attention unit there replaced by another model's
 namespace's (a valid header naming it): the hit shrinks or misses, and outputs stay vLLM's.
-Without HMA (kvstrata before issue 28) the first ran with a quarter of its KV capacity and the
+Without HMA (kvstrata before ``lookup_groups``) the first ran with a quarter of its KV capacity and the
 second could not start.
 
 Random weights have near-tied logits, and in bf16 a different compute path (a hit recomputes 64
@@ -29,8 +29,8 @@ import pytest
 
 import redis as _redis
 
-import redisutil
-from engines.conftest import StepEngine, delta, disk_config, gen, ids, salt, tiny_model
+from tests.harness import redisutil
+from engines.launchers import StepEngine, delta, disk_config, gen, ids, salt, tiny_model
 from kvstrata.format.block import HEADER_SIZE, pack_header, unpack_header
 from kvstrata.keys import Namespace
 

@@ -1,4 +1,4 @@
-"""What changes a request's KV beyond its token ids, on real offline vLLM engines (issue 39):
+"""What changes a request's KV beyond its token ids, on real offline vLLM engines:
 LoRA adapters by content and prompt embeddings by their rows.
 
 Scenario (the holes found as a user would): an adapter name and id reused for other weights
@@ -9,7 +9,7 @@ placeholder ids, so other embeddings at the same positions loaded the first prom
 Each request is served after vLLM's own prefix cache is reset (``reset``, connector untouched), so
 what it reuses comes from kvstrata alone, and its reference is the same engine's answer to the same
 request under a fresh cache salt (nothing is stored under it: computed from its own inputs).
-The keys themselves are checked against vLLM's hashing in tests/test_vllm_request_keys.py.
+The keys themselves are checked against vLLM's hashing in tests/adapters/test_vllm_request_keys.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, StepEngine, disk_config, ids, salt
+from engines.launchers import BS, StepEngine, disk_config, ids, salt
 
 pytestmark = pytest.mark.timeout(900)
 

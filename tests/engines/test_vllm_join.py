@@ -1,5 +1,5 @@
-"""A weight update and reset on one vLLM engine is joined by the others, never caught (issue 39,
-item 5), on two real offline engines sharing one redis-server (each with its own L1 and L2).
+"""A weight update and reset on one vLLM engine is joined by the others, never caught, on two
+real offline engines sharing one redis-server (each with its own L1 and L2).
 
 Before: engine A changed its weights in memory and called ``reset_prefix_cache(reset_connector=True)``;
 engine B, still on the old weights, adopted A's new epoch at once and saved into it what it computed
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import redisutil
-from engines.conftest import BS, LONG, StepEngine, delta, gen, ids, salt
+from tests.harness import redisutil
+from engines.launchers import BS, LONG, StepEngine, delta, gen, ids, salt
 
 # Two engine starts, and vLLM's weight reloads, on 2 cores shared with another test worker.
 pytestmark = [pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed"),

@@ -1,5 +1,5 @@
 """An MLA model (examples/make_tiny_model.py's ``mla`` preset: DeepSeek-V2, 2 layers, 4 experts,
-fp32) on the real vLLM engine with kvstrata, at TP=1 and TP=2 (issue 29).
+fp32) on the real vLLM engine with kvstrata, at TP=1 and TP=2.
 
 Its latent KV (512 + 64 values per token and layer) is the same on every tensor-parallel rank, so
 kvstrata stores it once: rank 0 writes a block's one copy, every rank reads it, and the namespace
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import StepEngine, delta, disk_config, gen, ids, tiny_model
+from engines.launchers import StepEngine, delta, disk_config, gen, ids, tiny_model
 from engines.test_vllm_tp import RankHarness
 from kvstrata.format.block import HEADER_SIZE
 

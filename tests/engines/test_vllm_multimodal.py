@@ -1,11 +1,11 @@
-"""A vision-language model on a real offline vLLM engine (issue 39): a text prefix that requests
+"""A vision-language model on a real offline vLLM engine: a text prefix that requests
 with different images share is served from kvstrata, and nothing from the first image on.
 
 Scenario: kvstrata once keyed every block of a request on all of its multimodal items, so two
 requests with one text prefix and different images shared nothing of it (vLLM's own prefix cache
 shares it: it keys each block on the items that overlap that block). Each block now carries what
 vLLM's ``generate_block_hash_extra_keys`` gives for it (adapters/vllm/request_keys.py; the keys
-themselves are checked against vLLM's hashing in tests/test_vllm_request_keys.py).
+themselves are checked against vLLM's hashing in tests/adapters/test_vllm_request_keys.py).
 
 The model is the ``vlm`` preset of examples/make_tiny_model.py: a tiny random Idefics3 (the tiny
 Llama behind a SigLIP-style vision tower) that vLLM's CPU build serves without torchvision. Each
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, StepEngine, disk_config, ids, salt, tiny_model
+from engines.launchers import BS, StepEngine, disk_config, ids, salt, tiny_model
 
 pytestmark = pytest.mark.timeout(900)
 

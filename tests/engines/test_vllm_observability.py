@@ -8,7 +8,7 @@ events. The tests check what each step must have changed. vLLM publishes events 
 its engine steps, so what changes between steps (a disk write finishing on a save thread, a reset)
 goes out with the next step: the scenario sends a request after each. The same server then stores
 another prompt and stops, and a second server on the same disk tier checks the DISK announcements
-after a restart. (The store-level test of capacity evictions is tests/test_kv_events.py.)
+after a restart. (The store-level test of capacity evictions is tests/adapters/test_vllm_kv_events.py.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from engines.conftest import BS, VllmServer, disk_config, ids, start_vllm_server
+from engines.launchers import BS, VllmServer, disk_config, ids, start_vllm_server
 from kvstrata.tools.serving import free_port
 
 pytest.importorskip("vllm")

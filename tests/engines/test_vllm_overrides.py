@@ -1,4 +1,4 @@
-"""Runtime settings that change the KV, end to end on real vLLM engines (issue 39, item 3).
+"""Runtime settings that change the KV, end to end on real vLLM engines.
 
 Scenario: vLLM 0.32 started with ``--hf-overrides '{"rope_parameters": ...}'`` on the same model
 folder as an engine without it loaded 999/999 of that engine's tokens from kvstrata (the namespace
@@ -13,7 +13,7 @@ show.
 Random weights at the tiny preset's scale make attention nearly uniform, so position (RoPE) barely
 shows in outputs: the engines run a private copy of the tiny model with ``q_proj`` and ``k_proj``
 scaled by 8. Unit tests on vLLM's config objects (every setting, the exclusions, another process):
-tests/test_vllm_namespace.py.
+tests/adapters/test_vllm_namespace.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, LONG, StepEngine, disk_config, gen, salt
+from engines.launchers import BS, LONG, StepEngine, disk_config, gen, salt
 
 pytest.importorskip("vllm")
 # Three engines one after the other: about 25 s each on an idle machine, two minutes each when the

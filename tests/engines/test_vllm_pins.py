@@ -1,11 +1,11 @@
-"""A load's pin through the real vLLM engine (issue 39 item 7): the blocks a worker copies out
+"""A load's pin through the real vLLM engine: the blocks a worker copies out
 of its L1 slots are the blocks the scheduler pinned, however long the copy takes.
 
 The copy is made slow by the worker's test-only switch ``$KVSTRATA_TEST_LOAD_DELAY_S``
 (``adapters/vllm/worker.py``), far past a tiny ``lease_seconds``. On this engine (one process,
 steps in order) the one writer of L1 slots that runs during a worker's copy is a background
 staging job (a disk hit larger than ``l1.stage_inline_bytes``): it is what would refill the
-slots of a pin that ran out. ``tests/test_pins.py`` has the same rule at the store.
+slots of a pin that ran out. ``tests/index/test_pins.py`` has the same rule at the store.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, delta, gen, ids
+from engines.launchers import BS, delta, gen, ids
 
 pytest.importorskip("vllm")
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism on the real vLLM engine with kvstrata (issue 29): two stages of the tiny
+"""Pipeline parallelism on the real vLLM engine with kvstrata: two stages of the tiny
 Llama (layers 0-1 and 2-3), one worker process each.
 
 Each stage's worker is a rank of its own (stage * TP degree + TP rank) that copies its own layers
@@ -14,7 +14,7 @@ the warm-up (``CPUWorker._should_warm_up_model``), the only place the later stag
 previous stage's hidden states is allocated (``GPUModelRunner._dummy_run``), and the first request
 fails on that stage (``assert self.intermediate_tensors is not None`` in
 ``sync_and_gather_intermediate_tensors``), which EngineCore reports as ``KeyError`` in
-``Scheduler.update_from_output`` (the README quotes it; a test that kept it true cost an engine
+``Scheduler.update_from_output`` (docs/support.md quotes it; a test that kept it true cost an engine
 start, the suite's budget did not have it).
 The kvstrata engines run with ``compilation_config`` mode 1 (stock ``torch.compile``, eager
 backend), which warms up: 2 engines, one after the other on one disk tier (cold, after vLLM's own
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, EngineFailed, StepEngine, delta, disk_config, gen, ids
+from engines.launchers import BS, EngineFailed, StepEngine, delta, disk_config, gen, ids
 from engines.test_vllm_tp import RankHarness
 
 pytest.importorskip("vllm")

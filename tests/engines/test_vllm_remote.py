@@ -5,7 +5,7 @@ serves every test, each under cache salts of its own (the last one, Redis killed
 under prompts no other test sends). On Redis Cluster and the shared folder one engine with no disk
 tier and a CPU tier of 20 blocks loads back from the shared tier a prompt its CPU tier evicted:
 the engine's path to the shared tier is the same whatever the backend; what is the backend's own
-(cross-process reads and writes, damaged values) is tested without an engine (tests/test_remote*.py).
+(cross-process reads and writes, damaged values) is tested without an engine (tests/tiers/test_remote*.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Iterator
 
 import pytest
 
-import redisutil
-from engines.conftest import BS, LONG, StepEngine, delta, gen, salt
+from tests.harness import redisutil
+from engines.launchers import BS, LONG, StepEngine, delta, gen, salt
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
 

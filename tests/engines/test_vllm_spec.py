@@ -1,4 +1,4 @@
-"""Speculative decoding on the real vLLM engine with kvstrata (issue 29): n-gram and EAGLE.
+"""Speculative decoding on the real vLLM engine with kvstrata: n-gram and EAGLE.
 
 vLLM's n-gram proposer (no draft model, so no draft KV) drafts 3 tokens from the request's own
 context; the target model verifies them in one forward pass, so a step computes KV for draft
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, StepEngine, delta, disk_config, gen, ids
+from engines.launchers import BS, StepEngine, delta, disk_config, gen, ids
 
 pytest.importorskip("vllm")
 

@@ -1,5 +1,5 @@
 """A real vLLM server whose shared tier (a real redis-server) is reached through a faulty proxy
-(``tools.netfault``): a reset made elsewhere while Redis hangs is never served past the bound, a
+(``tools/torture/faults.py``): a reset made elsewhere while Redis hangs is never served past the bound, a
 reset asked of this server while Redis refuses fails, and hits come back when Redis answers."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-import redisutil
-from engines.conftest import LONG
+from tests.harness import redisutil
+from engines.launchers import LONG
 from kvstrata.tools.torture.faults import FaultyProxy
 
 pytestmark = pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")

@@ -1,6 +1,6 @@
-"""Tier folders holding hostile entries, end to end on the real vLLM engine (issue #12, findings 4 to 7).
+"""Tier folders holding hostile entries, end to end on the real vLLM engine.
 
-tests/test_tier_folders.py proves the folder scans on a store; here the same is proven where it
+tests/tiers/test_folders.py proves the folder scans on a store; here the same is proven where it
 matters: a vLLM engine (CPU, tiny model) starting on a planted L2 folder, the ``kvstrata check``
 CLI on it, and two engines starting at the same moment on one new shared folder.
 
@@ -29,7 +29,7 @@ from kvstrata.format.block import HEADER, HEADER_SIZE, MAGIC, FormatError, unpac
 from kvstrata.config import load_config
 from kvstrata.keys import FORMAT_VERSION, NO_EXTRA, KeyScheme, extra_digest
 from kvstrata.store.parts import open_keys
-from engines.conftest import BS, LONG, StepEngine, gen
+from engines.launchers import BS, LONG, StepEngine, gen
 
 pytest.importorskip("vllm")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from engines.conftest import BS, FORK_A, FORK_B, LONG, SHARED, StepEngine, disk_config
+from engines.launchers import BS, FORK_A, FORK_B, LONG, SHARED, StepEngine, disk_config
 
 pytest.importorskip("vllm")
 

@@ -1,5 +1,5 @@
 """A model whose only KV cache group is a sliding window (the ``swa`` preset: a tiny Mistral with
-``sliding_window=64`` and no full-attention layer), on real offline vLLM engines (issue 39).
+``sliding_window=64`` and no full-attention layer), on real offline vLLM engines.
 
 Scenario (found as a user would): after an invalidation, a prompt that vLLM's own cache still
 serves was saved by kvstrata under the new epoch, and with one group kvstrata copied every position
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, StepEngine, disk_config, gen, ids, tiny_model
+from engines.launchers import BS, StepEngine, disk_config, gen, ids, tiny_model
 from kvstrata.format.block import HEADER_SIZE, unpack_header
 
 pytestmark = pytest.mark.timeout(900)

@@ -1,11 +1,11 @@
-"""Weights replaced in place (issue #11), end to end on the real engines.
+"""Weights replaced in place (a fine-tune saved over the old files), end to end on the real engines.
 
 Scenario: an engine with kvstrata stores a long prompt on the disk tier; the model folder's
 weights are then overwritten with other values of the same shapes (same file names and sizes,
 same config.json: a fine-tune saved over the old files). The next engine start on the same disk
 tier must load nothing for that prompt and answer as the new weights do.
 
-The engines start through the launchers of tests/engines/conftest.py, on a copy of the tiny model.
+The engines start through the launchers of tests/engines/launchers.py, on a copy of the tiny model.
 The opposite case (unchanged weights: another engine hits what the previous one stored) is
 test_vllm.py::test_second_engine_process_hits_what_the_first_stored and
 test_sglang.py::test_second_server_hits_what_the_first_stored_and_never_serves_a_corrupt_page.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.conftest import BS, LONG, SGLangServers, StepEngine, disk_config, gen, ids, needs_sglang, run_once, salt, \
+from engines.launchers import BS, LONG, SGLangServers, StepEngine, disk_config, gen, ids, needs_sglang, run_once, salt, \
     sglang_config, sglang_generate, sglang_log
 from engines.test_sglang import block_files, storage_share, stored
 # Each test starts two or three engines one after the other: about 25 s each on an idle machine,

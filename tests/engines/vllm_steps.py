@@ -1,6 +1,6 @@
 """Test scaffolding: one offline vLLM engine (CPU) that runs lists of steps and prints JSON results.
 
-Started by ``StepEngine`` in tests/engines/conftest.py (the one launcher of these engines), never
+Started by ``StepEngine`` in tests/engines/launchers.py (the one launcher of these engines), never
 by a test directly: ``python vllm_steps.py SPEC.json``. The engine is built once, prints
 ``READY``, then reads one JSON list of steps per line on stdin and answers each list with one
 ``RESULT <json list>`` line (``ERROR <json traceback>`` if a step raised), until stdin closes. Several tests share one engine this way.

@@ -1,7 +1,7 @@
 """A Redis for the benchmarks: the one given by URL (flushed first), else a private ``redis-server``.
 
 The private server listens on a free loopback port, keeps nothing on disk (no RDB, no AOF), runs
-in its own session and is killed on exit. ``bench serve``, ``bench ttft`` and ``bench remote`` use it.
+in its own session and is killed on exit. ``python -m benchmarks serve``, ``ttft`` and ``remote`` use it.
 """
 
 from __future__ import annotations

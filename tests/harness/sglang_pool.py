@@ -2,7 +2,7 @@
 (``MHATokenToKVPoolHost``, bf16, on CPU), the ``HiCacheStorageConfig`` SGLang hands a backend, and
 the per-call extra info that carries prefix keys.
 
-Used by ``bench store``'s SGLang comparison (``bench/store_sglang.py``) and by
+Used by ``kvstrata bench store``'s SGLang comparison (``benchmarks/store_sglang.py``) and by
 tests/engines/sglang_storage_cases.py. Importing this module needs no sglang; calling it does
 (./.venv-sglang), and on a CPU machine only after the CPU shims of tests/engines/sglang_shims are
 installed.

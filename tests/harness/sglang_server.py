@@ -7,7 +7,7 @@ streams through ``serving.stream`` (aiohttp), as for vLLM; the control calls use
 
 Without CUDA, upstream SGLang cannot run HiCache on a CPU "device"; the server then gets the
 test-only shims of ``tests/engines/sglang_shims`` on its ``PYTHONPATH`` and the CPU flags
-(``cpu_flags``), as in the tests' launcher (``tests/engines/conftest.py``) and
+(``cpu_flags``), as in the tests' launcher (``tests/engines/launchers.py``) and
 ``examples/serve_sglang.sh``.
 """
 

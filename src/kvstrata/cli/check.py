@@ -1,4 +1,4 @@
-"""check.py: ``check_disk``, the integrity scan of a disk tier folder (``kvstrata check``): every
+"""cli/check.py: ``check_disk``, the integrity scan of a disk tier folder (``kvstrata check``): every
 header parsed, every payload checksummed.
 
 Works on the files alone (no store is opened), so it can run beside live engines. It is the

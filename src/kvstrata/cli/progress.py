@@ -1,4 +1,4 @@
-"""progress.py: ``shard_bar``, the progress bar of the operator commands that walk a disk tier
+"""cli/progress.py: ``shard_bar``, the progress bar of the operator commands that walk a disk tier
 (``kvstrata check``, ``gc``, ``stats``): shard folders done of the tier's 256, blocks so far, time
 elapsed, and a spinner for work that has no total (``gc``'s own).
 

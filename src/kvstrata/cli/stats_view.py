@@ -1,4 +1,4 @@
-"""stats_view.py: ``kvstrata stats`` for a person (``render``): sizes in binary units
+"""cli/stats_view.py: ``kvstrata stats`` for a person (``render``): sizes in binary units
 (``size_text``: ``1.2 GiB``), each namespace named by its model, weights version, KV dtype, layout,
 tenant and key scheme (its descriptor, see ``describe``), whether this store has joined its epoch
 (see ``joins``; a process that only reads stats always has), and the counters that are not zero.

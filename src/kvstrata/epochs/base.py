@@ -1,8 +1,8 @@
-"""epochs.py: namespace epochs (``EpochStore``: ``get``, ``lookup_epoch``, ``bump``, ``reset``,
-``joined``; ``MemoryEpochs``; ``PolledEpochs`` in ``polled_epochs.py``, the rules of epochs other
+"""epochs/base.py: namespace epochs (``EpochStore``: ``get``, ``lookup_epoch``, ``bump``, ``reset``,
+``joined``; ``MemoryEpochs``; ``PolledEpochs`` in ``epochs/polled.py``, the rules of epochs other
 processes change) and ``Retired``, the epochs seen replaced. Bumping an epoch hides every older
 entry of that namespace at once. Each store also keeps the namespaces' descriptors (``describe``,
-``descriptor``; see ``describe.py``) beside the epochs.
+``descriptor``; see ``epochs/descriptors.py``) beside the epochs.
 
 An epoch is a random non-zero 64-bit id, not a counter. The current epoch is part of block -1's
 key (see keys.root_key), so after a bump no key of an older epoch is ever computed again, and the
@@ -27,8 +27,8 @@ taken before a bump). Every store therefore remembers the epochs it has seen rep
 retired epoch read back as lost state: it is replaced by a fresh one.
 
 Where the epoch lives decides who sees a bump: ``MemoryEpochs`` (this process),
-``FileEpochs`` in ``tiers/file_epochs.py`` (every process sharing a folder: one small file per
-namespace, replaced atomically), ``RedisEpochs`` in ``tiers/redis_epochs.py`` (every instance
+``FileEpochs`` in ``epochs/folder.py`` (every process sharing a folder: one small file per
+namespace, replaced atomically), ``RedisEpochs`` in ``epochs/redis.py`` (every instance
 sharing the Redis). The last two are ``PolledEpochs``: an instance that cannot read the shared
 state cannot know of a bump made elsewhere, so an epoch is used by lookups only within a bound
 of its last confirmation, and a bump that could not be written serves nothing until it is.

@@ -1,4 +1,4 @@
-"""describe.py: namespace descriptors, what a namespace id stands for (``encode``, ``decode``,
+"""epochs/descriptors.py: namespace descriptors, what a namespace id stands for (``encode``, ``decode``,
 ``matches_model``), so that ``kvstrata stats`` names the model and ``kvstrata invalidate --model``
 finds its namespaces.
 

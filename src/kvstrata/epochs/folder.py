@@ -1,4 +1,4 @@
-"""tiers/file_epochs.py: ``FileEpochs``, namespace epochs (see ``epochs``) in a folder every
+"""epochs/folder.py: ``FileEpochs``, namespace epochs (see ``epochs/base.py``) in a folder every
 process that shares it reads and writes: L2's ``epochs/`` (the processes of one host) or the
 shared folder's (``remote.backend: fs``, every host that mounts it).
 

@@ -1,4 +1,4 @@
-"""joins.py: ``Joins``, the weights generation this instance has *joined* per namespace, and the
+"""epochs/joins.py: ``Joins``, the weights generation this instance has *joined* per namespace, and the
 rule that decides it (see ``epochs`` for generations).
 
 Why: a reset made on one instance after a weight update starts a new generation. Every other

@@ -1,9 +1,9 @@
-"""polled_epochs.py: ``PolledEpochs``, the rules of namespace epochs that other processes
+"""epochs/polled.py: ``PolledEpochs``, the rules of namespace epochs that other processes
 change (L2's epochs folder, the shared folder, Redis): an epoch is used by lookups only while
 confirmed, a bump that could not be written serves nothing until it is, every bump is a
 compare-and-set against the epoch it replaces, and a reset made elsewhere is joined, not caught
-(``joins``). ``FileEpochs`` (``tiers/file_epochs.py``) and ``RedisEpochs``
-(``tiers/redis_epochs.py``) say how to read and write; see ``epochs`` for what an epoch is.
+(``joins``). ``FileEpochs`` (``epochs/folder.py``) and ``RedisEpochs``
+(``epochs/redis.py``) say how to read and write; see ``epochs/base.py`` for what an epoch is.
 """
 
 from __future__ import annotations

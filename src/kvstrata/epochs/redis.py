@@ -1,4 +1,4 @@
-"""tiers/redis_epochs.py: ``RedisEpochs``, the namespace epochs (``epochs``) of the Redis
+"""epochs/redis.py: ``RedisEpochs``, the namespace epochs (``epochs``) of the Redis
 tier: one key per namespace, ``P:epoch:<ns hex>``, and bumps announced on ``P:epochs`` (``P`` is
 ``remote.key_prefix``). Beside each, ``P:ns:<ns hex>`` holds the namespace's descriptor (see
 ``describe``), so that ``kvstrata stats`` on any host names the model.
@@ -32,7 +32,7 @@ _EPOCH_BYTES = 64  # an epoch is at most 20 digits; read no more than this of an
 
 
 class RedisEpochs(PolledEpochs):
-    """Namespace epochs in Redis (see ``epochs``): ``SET NX`` creates, a compare-and-set (a Lua
+    """Namespace epochs in Redis (see ``epochs/base.py``): ``SET NX`` creates, a compare-and-set (a Lua
     script) bumps, and a PUBLISH tells every instance to re-read at once.
 
     The value is the epoch as decimal text. A missing key (evicted, lost in a restart,

@@ -1,4 +1,4 @@
-"""auth.py: keyed authentication (a MAC) of what kvstrata reads back from a tier other hosts can
+"""format/auth.py: keyed authentication (a MAC) of what kvstrata reads back from a tier other hosts can
 write: the shared tier (Redis, Redis Cluster, the shared folder) and, with ``l2.authenticate``,
 the disk tier. Without it, whoever can write there decides which KV is served (checksums catch
 damage, not forgery); with it, only a holder of the deployment secret can.
@@ -12,7 +12,7 @@ from the secret, with a 128-bit tag.
 What is covered (``Auth``):
 
 - A block (a Redis payload value, a shared-folder or L2 file): the tag sits in the header's
-  padding (``blockfmt.TAG_AT``), and covers the tier (``domain``), the storage key the reader asked
+  padding (``format.block.TAG_AT``), and covers the tier (``domain``), the storage key the reader asked
   for, every header field (key, parent, namespace, epoch, fingerprint, size, token count, tail
   flag, payload checksum) and every payload byte. So a forged payload (its xxh3 recomputed
   or not), a header rewritten to another namespace or epoch, a valid block copied to another key
@@ -118,7 +118,7 @@ class Auth:
 
     def verify_block(self, domain: bytes, meta: EntryMeta, header: bytes | bytearray | memoryview,
                      payload_size: int, payload: Sequence[memoryview], where: str) -> Mismatch | None:
-        """``blockfmt.verify_block`` for a sealed block: the MAC first (a failure is kind ``auth``),
+        """``format.block.verify_block`` for a sealed block: the MAC first (a failure is kind ``auth``),
         then the header against ``meta``. The payload's xxh3 is not recomputed: the MAC covers it."""
         if len(header) < HEADER_SIZE:
             return Mismatch("auth", f"{where}: {len(header)} header bytes")

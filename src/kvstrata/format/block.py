@@ -1,4 +1,4 @@
-"""blockfmt.py: a stored block's bytes (disk files, remote values): the 128-byte header, then the
+"""format/block.py: a stored block's bytes (disk files, remote values): the 128-byte header, then the
 payload. Owns ``pack_header`` / ``unpack_header``, the payload checksum, and ``verify_block``: the
 one check of a block read back from a tier that leaves the process.
 

@@ -18,14 +18,14 @@ It composes one part per concern, each in its own module:
 - ``saver.py``: the bounded background queue and its threads.
 
 ``describe`` and ``descriptors`` (what a namespace is, kept beside its epoch) are here: they are
-start-up and CLI calls, done through the epoch store (``describe.py`` says what is kept).
+start-up and CLI calls, done through the epoch store (``epochs/descriptors.py`` says what is kept).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -36,18 +36,17 @@ from kvstrata.index import BlockIndex
 from kvstrata.keys import NO_EXTRA, BlockChain, Extra, KeyScheme, Namespace, as_tokens, extra_at
 from kvstrata.metrics import Counters, TierListener
 from kvstrata.tiers import BlockTier, DiskTier, MemoryTier
-from kvstrata.worker.arena import attach_shared_arena, remove_dead_arenas
 from kvstrata.tiers.disk import IOV_MAX
 from kvstrata.store.evict import Evictor
-from kvstrata.store.groups import GroupHit, GroupLookup, GroupRule
+from kvstrata.store.groups import GroupLookup
 from kvstrata.store.load import Loader
 from kvstrata.store.lookup import Lookup
-from kvstrata.store.parts import open_keys, open_parts
+from kvstrata.store.parts import open_parts
 from kvstrata.store import report, served
 from kvstrata.store.bumps import Bumps
 from kvstrata.store.recovery import Recovery
 from kvstrata.store.scopes import Scopes
-from kvstrata.store.protocol import Arena, ByteRuns, Hit, Reservation, StoreProtocol
+from kvstrata.store.protocol import Arena, ByteRuns, GroupHit, GroupRule, Hit, Reservation, StoreFigures
 from kvstrata.store.write import Payloads, Writer
 
 log = logging.getLogger(__name__)
@@ -93,6 +92,12 @@ class BlockStore:
     def snapshot(self) -> dict[str, int]:
         """Every counter now (``metrics.METRICS`` names those the engines export)."""
         return self._parts.counters.snapshot()
+
+    def figures(self, last: Mapping[str, int] | None = None) -> StoreFigures:
+        """What an engine's metrics export: every counter now, the latency samples observed since
+        the previous call (each handed out once), and the gauges of ``resident``, read only when a
+        counter differs from ``last`` (the counters of the caller's previous report; None: always)."""
+        return report.figures(self._parts, last)
 
     def listen(self, listener: TierListener) -> None:
         """``listener(tier name, metas, stored)`` hears every batch of blocks committed to

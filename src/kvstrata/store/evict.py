@@ -32,7 +32,7 @@ _COUNT_WAIT_S = 2.0
 
 class Evictor:
     def __init__(self, parts: Parts) -> None:
-        self.p = parts
+        self.parts = parts
         self._lock = threading.Lock()  # one reservation evicts at a time
         self._holder = 0  # the thread holding ``_lock`` (it never waits for L2's count: prepare_store would)
         self._unreported = Counter[str]()  # dropped by the end of L2's count, reported by the next gc()
@@ -41,50 +41,50 @@ class Evictor:
     def reserve_slots(self, metas: list[EntryMeta]) -> Reservation:
         """Fresh L1 slots for ``metas`` (one block size), evicting LRU blocks for room; a prefix
         of them when L1 holds too many pinned blocks. Nobody sees the slots until published."""
-        p = self.p
+        parts = self.parts
         if not metas:
             return Reservation([], [])
         size = metas[0].size
-        if any(m.size != size for m in metas) or not p.l1.fits(size):
-            p.counters.inc("l1_too_large" if not p.l1.fits(size) else "l1_mixed_sizes")
+        if any(m.size != size for m in metas) or not parts.l1.fits(size):
+            parts.counters.inc("l1_too_large" if not parts.l1.fits(size) else "l1_mixed_sizes")
             return Reservation([], [])
         evicted: list[EntryMeta] = []
         with self._lock:
             self._holder = threading.get_ident()
             try:
-                slots = p.l1.reserve(len(metas), size)
+                slots = parts.l1.reserve(len(metas), size)
                 while len(slots) < len(metas):
-                    victims = p.index.lru_victims(p.l1.bit, len(metas) - len(slots))
+                    victims = parts.index.lru_victims(parts.l1.bit, len(metas) - len(slots))
                     if not victims:
-                        p.counters.inc("l1_full", len(metas) - len(slots))
+                        parts.counters.inc("l1_full", len(metas) - len(slots))
                         break
                     evicted += [meta for meta in map(self._evict_l1, victims) if meta is not None]
-                    slots += p.l1.reserve(len(metas) - len(slots), size)
+                    slots += parts.l1.reserve(len(metas) - len(slots), size)
             finally:
                 self._holder = 0
-        p.counters.tier_changed(p.l1.name, evicted, False)
+        parts.counters.tier_changed(parts.l1.name, evicted, False)
         return Reservation(metas[: len(slots)], slots)
 
     def _evict_l1(self, row: int) -> EntryMeta | None:
         """Evict the block at ``row`` from L1 (demoting it first if so configured); its meta if evicted."""
-        p = self.p
-        meta = p.index.meta(row)
-        demote = (p.l2 is not None and p.config.l2.write == "on_evict"
-                  and not int(p.index.tiers_of(np.array([row]))[0]) & p.l2.bit)
+        parts = self.parts
+        meta = parts.index.meta(row)
+        demote = (parts.l2 is not None and parts.config.l2.write == "on_evict"
+                  and not int(parts.index.tiers_of(np.array([row]))[0]) & parts.l2.bit)
         if demote:
-            _rows, lease = p.index.pin_keys([meta.key])  # the slot must not be reused mid-write
+            _rows, lease = parts.index.pin_keys([meta.key])  # the slot must not be reused mid-write
             try:
-                slot = p.l1.slot_of(meta.key) if lease is not None else None
-                if slot is not None and p.l1.data is not None:
-                    self.write_backing([meta], [p.l1.data[slot, : meta.size]])
-                    p.counters.inc("l1_demoted")
+                slot = parts.l1.slot_of(meta.key) if lease is not None else None
+                if slot is not None and parts.l1.data is not None:
+                    self.write_backing([meta], [parts.l1.data[slot, : meta.size]])
+                    parts.counters.inc("l1_demoted")
             finally:
                 if lease is not None:
-                    p.index.unpin(lease)
-        if not p.index.claim(meta.key, p.l1.bit):
+                    parts.index.unpin(lease)
+        if not parts.index.claim(meta.key, parts.l1.bit):
             return None
-        p.l1.delete(meta.key)
-        p.counters.inc("l1_evicted")
+        parts.l1.delete(meta.key)
+        parts.counters.inc("l1_evicted")
         return meta
 
     def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor],
@@ -95,7 +95,7 @@ class Evictor:
         metas = [m._replace(checksum=payload_checksum(memoryview(p[: m.size].numpy())))
                  for m, p in zip(metas, payloads)]
         first = 0
-        for tier in self.p.backing if tiers is None else tiers:
+        for tier in self.parts.backing if tiers is None else tiers:
             self.make_room(tier, sum(tier.stored_bytes(m.size) for m in metas))
             ok = tier.write_many(metas, list(payloads))
             committed = self.commit([m for m, good in zip(metas, ok) if good], tier)
@@ -105,9 +105,9 @@ class Evictor:
 
     def commit(self, metas: list[EntryMeta], tier: BlockTier) -> int:
         """Commit blocks written to a backing tier; tells the tier listener. Returns how many."""
-        rows = self.p.index.commit_many(metas, tier.bit) if metas else []
+        rows = self.parts.index.commit_many(metas, tier.bit) if metas else []
         done = [meta for meta, row in zip(metas, rows) if row is not None]
-        self.p.counters.tier_changed(tier.name, done, True)
+        self.parts.counters.tier_changed(tier.name, done, True)
         return len(done)
 
     def enforce_capacity(self, tier: BlockTier) -> None:
@@ -126,14 +126,14 @@ class Evictor:
     def _await_count(self, tier: BlockTier) -> bool:
         """Wait (up to ``_COUNT_WAIT_S``) for the count of L2's folder if it is still running:
         True if it finished, and the real figure may have room."""
-        recovery, l2 = self.p.recovery, self.p.l2
+        recovery, l2 = self.parts.recovery, self.parts.l2
         if (tier is not l2 or l2 is None or recovery is None or not l2.ledger.counting
                 or self._holder == threading.get_ident()):
             return False
         return recovery.wait(_COUNT_WAIT_S)
 
     def _evict_for(self, tier: BlockTier, nbytes: int) -> None:
-        index = self.p.index
+        index = self.parts.index
         while tier.used_bytes + nbytes > tier.capacity_bytes:
             victims = index.lru_victims(tier.bit, _EVICT_BATCH)
             dropped: list[EntryMeta] = []
@@ -143,16 +143,16 @@ class Evictor:
                 meta = self.drop_from(tier, row)
                 if meta is not None:
                     dropped.append(meta)
-            self.p.counters.inc(f"{tier.name}_evicted", len(dropped))
-            self.p.counters.tier_changed(tier.name, dropped, False)
+            self.parts.counters.inc(f"{tier.name}_evicted", len(dropped))
+            self.parts.counters.tier_changed(tier.name, dropped, False)
             if not dropped or tier.used_bytes + nbytes <= tier.capacity_bytes:
                 return  # room made, or nothing evictable (all pinned or claimed by others meanwhile)
 
     def drop_from(self, tier: BlockTier, row: int) -> EntryMeta | None:
         """Delete the block at ``row`` from ``tier`` unless it is pinned (or claimed meanwhile);
         its meta if deleted. The caller tells the tier listener, once per batch."""
-        meta = self.p.index.meta(row)
-        if not self.p.index.claim(meta.key, tier.bit):
+        meta = self.parts.index.meta(row)
+        if not self.parts.index.claim(meta.key, tier.bit):
             return None
         tier.delete(meta.key)
         if meta.tail and isinstance(tier, DiskTier):
@@ -160,20 +160,20 @@ class Evictor:
         return meta
 
     def namespaces(self) -> list[bytes]:
-        return sorted(set(self.p.index.census([]).seeds) | set(self.p.epochs.known()))
+        return sorted(set(self.parts.index.census([]).seeds) | set(self.parts.epochs.known()))
 
     def gc(self, only: list[bytes] | None = None) -> dict[str, int]:
         """Reclaim unpinned entries of older epochs, then enforce every tier's capacity. The counts
         include what the end of L2's background count dropped since the last call (``kvstrata gc``
         waits for that count, which does the disk tier's part of the work)."""
-        p = self.p
-        removed = self._drop_stale(only, p.tiers)
-        for tier in p.backing:
+        parts = self.parts
+        removed = self._drop_stale(only, parts.tiers)
+        for tier in parts.backing:
             self.enforce_capacity(tier)
-            swept = tier.sweep(p.config.lease_seconds)
+            swept = tier.sweep(parts.config.lease_seconds)
             if swept:
                 removed[tier.name] += swept
-        p.counters.inc("gc_removed", sum(removed.values()))
+        parts.counters.inc("gc_removed", sum(removed.values()))
         with self._unreported_lock:  # already counted in gc_removed when dropped
             removed.update(self._unreported)
             self._unreported.clear()
@@ -183,25 +183,25 @@ class Evictor:
         """L2's folder is all in the index now: drop its blocks of older epochs (an invalidation
         during the scan could not see them) and trim it to ``l2.size`` (lowered since it was
         filled). Runs on the recovery thread."""
-        p = self.p
-        assert p.l2 is not None
-        removed = self._drop_stale(None, [p.l2])
-        self.enforce_capacity(p.l2)
-        p.counters.inc("gc_removed", sum(removed.values()))
+        parts = self.parts
+        assert parts.l2 is not None
+        removed = self._drop_stale(None, [parts.l2])
+        self.enforce_capacity(parts.l2)
+        parts.counters.inc("gc_removed", sum(removed.values()))
         with self._unreported_lock:
             self._unreported.update(removed)
 
     def _drop_stale(self, only: list[bytes] | None, tiers: list[BlockTier]) -> Counter[str]:
-        p = self.p
+        parts = self.parts
         removed = Counter[str]()
         for seed in only or self.namespaces():
-            current, confirmed = p.epochs.lookup_epoch(seed, time.monotonic())
+            current, confirmed = parts.epochs.lookup_epoch(seed, time.monotonic())
             if not confirmed:  # the shared tier does not answer: which epoch is current is not known
                 continue
-            rows = p.index.stale_rows(seed, current)
-            bits = p.index.tiers_of(np.array(rows, dtype=np.int64)).tolist() if rows else []
+            rows = parts.index.stale_rows(seed, current)
+            bits = parts.index.tiers_of(np.array(rows, dtype=np.int64)).tolist() if rows else []
             for tier in tiers:
                 dropped = [m for row, b in zip(rows, bits) if b & tier.bit and (m := self.drop_from(tier, row))]
                 removed[tier.name] += len(dropped)
-                p.counters.tier_changed(tier.name, dropped, False)
+                parts.counters.tier_changed(tier.name, dropped, False)
         return removed

@@ -1,4 +1,4 @@
-"""``lookup_groups``: one prefix boundary for every KV-cache group of a hybrid model (issue 28).
+"""``lookup_groups``: one prefix boundary for every KV-cache group of a hybrid model.
 
 Under vLLM's hybrid KV cache manager each group keeps a block table of its own, and each needs
 other blocks to resume a prompt at token N: full attention every block below N, a sliding window
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -34,57 +34,9 @@ from kvstrata.keys import BlockChain, Extra, Namespace, as_tokens
 from kvstrata.tiers import BlockTier
 from kvstrata.store.lookup import chain_slice
 from kvstrata.store.parts import Parts
-from kvstrata.store.protocol import Hit
+from kvstrata.store.protocol import GroupHit, GroupRule, Hit
 
-GroupKind = Literal["full", "window", "state"]
-KINDS: tuple[GroupKind, ...] = ("full", "window", "state")
 EMPTY = BlockChain([], [], [], [])
-
-
-@dataclass(frozen=True, slots=True)
-class GroupRule:
-    """What one KV-cache group needs from the cache to resume a prompt at a block boundary."""
-
-    kind: GroupKind  # "full": every block; "window": a sliding window; "state": an SSM state at N
-    tag: bytes  # the group's own key chain (``keys.group_root``); distinct per group of a model
-    window_tokens: int = 0  # "window" only: the tokens the window reaches (the engine's effective window)
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"group kind {self.kind!r} is not one of {KINDS}")
-        if not self.tag:
-            raise ValueError("a group needs a non-empty tag: it separates the group's keys")
-        if (self.kind == "window") != (self.window_tokens > 0):
-            raise ValueError(f"window_tokens={self.window_tokens} for a {self.kind!r} group: "
-                             "a window group needs a positive window, the others none")
-
-    def first_block(self, stop: int, lo_block: int, block_size: int) -> int:
-        """The first block this group loads to resume at token ``stop * block_size`` (it loads
-        blocks ``[first, stop)``) when the engine already holds the blocks below ``lo_block``.
-        A window reaching token ``N - window + 1`` needs that token's block on (``first == stop``
-        for a window of one token: it needs nothing cached); a state only its block at N."""
-        if self.kind == "full":
-            return lo_block
-        if self.kind == "state":
-            return stop - 1
-        return max(lo_block, (stop * block_size - self.window_tokens + 1) // block_size)
-
-
-class GroupHit(NamedTuple):
-    """A prefix every group can serve: resume at ``boundary`` tokens (0: a miss).
-
-    ``hits[g]`` holds exactly the blocks group g loads, in block order, each with its own pin
-    (``complete_load(hits[g])`` gives it back); ``positions[g]`` the block index of each in the
-    prompt. On a miss every group's hit is empty, so ``hits`` and ``positions`` stay aligned with
-    the rules either way."""
-
-    boundary: int
-    hits: list[Hit]
-    positions: list[np.ndarray]
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(h.num_blocks for h in self.hits)
 
 
 @dataclass(slots=True)
@@ -100,7 +52,7 @@ class _Group:
 
 class GroupLookup:
     def __init__(self, parts: Parts) -> None:
-        self.p = parts
+        self.parts = parts
 
     def lookup_groups(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra,
                       rules: Sequence[GroupRule], *, lo: int, hi: int, pin: bool) -> GroupHit:
@@ -112,17 +64,17 @@ class GroupLookup:
         if lo < 0:
             raise ValueError(f"lo={lo}: the tokens the engine holds cannot be negative")
         tokens = as_tokens(tokens)
-        epoch, confirmed = self.p.epochs.lookup_epoch(ns.seed, since)
-        self.p.counters.inc("lookups")
-        if not confirmed or not self.p.epochs.joined(ns.seed):  # as ``Lookup._unconfirmed``
-            self.p.counters.inc("not_joined_misses" if confirmed else "unconfirmed_epoch_misses")
+        epoch, confirmed = self.parts.epochs.lookup_epoch(ns.seed, since)
+        self.parts.counters.inc("lookups")
+        if not confirmed or not self.parts.epochs.joined(ns.seed):  # as ``Lookup._unconfirmed``
+            self.parts.counters.inc("not_joined_misses" if confirmed else "unconfirmed_epoch_misses")
             return _miss(ns, 0, len(rules))
         bs = ns.block_size
         lo_block, top = lo // bs, min(hi, len(tokens)) // bs
         if top <= lo_block:
             return _miss(ns, epoch, len(rules))
-        search = _Search(self.p, ns, epoch, lo_block)
-        keys = self.p.keys
+        search = _Search(self.parts, ns, epoch, lo_block)
+        keys = self.parts.keys
         root = keys.root_key(ns.seed, epoch)
         groups = [search.group(rule, keys.chain_keys(keys.group_root(root, rule.tag), tokens, bs, extra,
                                                      partial=False, limit=top)) for rule in rules]
@@ -137,7 +89,7 @@ class GroupLookup:
                 return _miss(ns, epoch, len(rules))
             hit = search.take(groups, stop, pin)
             if hit is not None:
-                self.p.counters.inc("lookup_hit_blocks", hit.num_blocks)
+                self.parts.counters.inc("lookup_hit_blocks", hit.num_blocks)
                 return hit
 
 
@@ -151,7 +103,7 @@ class _Search:
     adopted headers must have, and the boundary search over the groups' masks."""
 
     def __init__(self, parts: Parts, ns: Namespace, epoch: int, lo_block: int) -> None:
-        self.p = parts
+        self.parts = parts
         self.ns = ns
         self.epoch = epoch
         self.lo_block = lo_block
@@ -165,8 +117,8 @@ class _Search:
         top = len(chain.keys)
         valid = np.zeros(top, bool)
         if top > self.lo_block:
-            valid[self.lo_block:] = self.p.index.valid_mask(self.ns.seed, self.epoch,
-                                                           chain_slice(chain, self.lo_block))
+            valid[self.lo_block:] = self.parts.index.valid_mask(self.ns.seed, self.epoch,
+                                                               chain_slice(chain, self.lo_block))
         return _Group(rule, chain, valid, np.zeros(top, np.uint8))
 
     def boundary(self, groups: list[_Group], stop: int) -> int:
@@ -195,7 +147,7 @@ class _Search:
             bad = idx[~g.valid[idx]]
             if not len(bad) or g.asked[bad[0]] == self.all_bits:
                 return int(bad[0]) if len(bad) else -1
-            for tier in self.p.backing:
+            for tier in self.parts.backing:
                 ask = idx[~g.valid[idx] & ((g.asked[idx] & tier.bit) == 0)]
                 if not len(ask):
                     continue
@@ -213,9 +165,9 @@ class _Search:
                 at.append(i)
         if not good:
             return
-        taken = [i for i, row in zip(at, self.p.index.commit_many(good, tier.bit)) if row is not None]
+        taken = [i for i, row in zip(at, self.parts.index.commit_many(good, tier.bit)) if row is not None]
         if taken:
-            g.valid[taken] = self.p.index.valid_mask(self.ns.seed, self.epoch, g.chain.pick(taken))
+            g.valid[taken] = self.parts.index.valid_mask(self.ns.seed, self.epoch, g.chain.pick(taken))
 
     def fits(self, chain: BlockChain, i: int, meta: EntryMeta) -> bool:
         if (meta.ns_seed != self.ns.seed or meta.epoch != self.epoch or meta.parent != chain.parents[i]
@@ -224,7 +176,7 @@ class _Search:
         if not self.size:
             self.size = self._known_size(chain, i) or meta.size
         if meta.size != self.size:  # every block of a namespace has one size (groups are padded to it)
-            self.p.counters.inc("adopt_wrong_size")
+            self.parts.counters.inc("adopt_wrong_size")
             return False
         return True
 
@@ -233,15 +185,15 @@ class _Search:
         claims another size is forged or foreign."""
         if i == 0:
             return 0
-        rows = self.p.index.rows_of(chain.keys[i - 1 : i])
-        meta = self.p.index.metas(rows, chain.keys[i - 1 : i])[0] if rows[0] >= 0 else None
+        rows = self.parts.index.rows_of(chain.keys[i - 1 : i])
+        meta = self.parts.index.metas(rows, chain.keys[i - 1 : i])[0] if rows[0] >= 0 else None
         return meta.size if meta is not None else 0
 
     def take(self, groups: list[_Group], stop: int, pin: bool) -> GroupHit | None:
         """Every group's wanted blocks at ``stop``, validated again (and pinned, with ``pin``) in
         one index call per group; None, with every pin given back and the blocks that went marked
         invalid, if any block went since its mask was taken."""
-        bs, index = self.ns.block_size, self.p.index
+        bs, index = self.ns.block_size, self.parts.index
         hits: list[Hit] = []
         positions: list[np.ndarray] = []
         gone = False

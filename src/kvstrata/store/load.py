@@ -29,26 +29,26 @@ log = logging.getLogger(__name__)
 
 class Loader:
     def __init__(self, parts: Parts, writer: Writer, evictor: Evictor) -> None:
-        self.p = parts
+        self.parts = parts
         self.writer = writer
         self.evictor = evictor
 
     # ------------------------------------------------------------ tensors
     def load_into(self, hit: Hit, out: Sequence[torch.Tensor] | torch.Tensor) -> int:
         """Copy the hit's blocks into ``out[i]``; returns how many leading blocks are valid."""
-        p = self.p
+        parts = self.parts
         keys = hit.chain.keys
         if not keys:
             return 0
         with self._leading(hit) as (rows, usable):
-            bits = p.index.tiers_of(rows[:usable])
-            slots = p.l1.slots_of(keys[:usable])
+            bits = parts.index.tiers_of(rows[:usable])
+            slots = parts.l1.slots_of(keys[:usable])
             run = 0
-            while run < usable and bits[run] & p.l1.bit and slots[run] is not None:
+            while run < usable and bits[run] & parts.l1.bit and slots[run] is not None:
                 run += 1
             if run:
-                p.l1.copy_out(slots[:run], out, p.index.meta(int(rows[0])).size)  # type: ignore[arg-type]
-                p.counters.inc("hit_blocks_l1", run)
+                parts.l1.copy_out(slots[:run], out, parts.index.meta(int(rows[0])).size)  # type: ignore[arg-type]
+                parts.counters.inc("hit_blocks_l1", run)
             if run < usable:
                 outs = [out[i] for i in range(run, usable)]
                 usable = run + self._fetch(rows[run:usable], keys[run:usable], outs, promote=True)
@@ -60,7 +60,7 @@ class Loader:
         """The index rows of the leading run of the hit's keys still stored, and its length; they
         are looked up and pinned in one index call and stay pinned inside the block (a second pin
         where the hit holds a lease already: the load never depends on that lease's deadline)."""
-        index = self.p.index
+        index = self.parts.index
         rows, lease = index.pin_keys(hit.chain.keys)
         try:
             yield rows, len(rows)
@@ -70,48 +70,48 @@ class Loader:
 
     def _count_failures(self, loaded: int, wanted: int) -> None:
         if loaded < wanted:
-            self.p.counters.inc("load_failures")
-            self.p.counters.inc("load_failed_blocks", wanted - loaded)
+            self.parts.counters.inc("load_failures")
+            self.parts.counters.inc("load_failed_blocks", wanted - loaded)
 
     def _fetch(self, rows: np.ndarray, keys: list[bytes], outs: list[torch.Tensor], promote: bool) -> int:
         """Read blocks into ``outs``: from L1 where resident, else from the first backing tier
         that has them. Returns how many leading blocks were read; with ``promote`` those read from
         backing tiers are copied into L1 (and from the shared tier, also written to L2)."""
-        p = self.p
-        metas = p.index.metas(rows, keys)
+        parts = self.parts
+        metas = parts.index.metas(rows, keys)
         bad = next((i for i, m in enumerate(metas) if m is None), None)
         if bad is not None:  # never read a row that is not the block asked for
-            if p.index.rows_of(keys[bad : bad + 1])[0] == rows[bad]:
-                p.counters.inc("load_blocks_dropped_meanwhile")  # found damaged by another reader
+            if parts.index.rows_of(keys[bad : bad + 1])[0] == rows[bad]:
+                parts.counters.inc("load_blocks_dropped_meanwhile")  # found damaged by another reader
             else:  # the caller pins the rows, so this is a bug, not a race
                 log.error("kvstrata: index row %d no longer holds block %s; not loaded", rows[bad], keys[bad].hex())
-                p.counters.inc("row_key_mismatches")
+                parts.counters.inc("row_key_mismatches")
             rows, metas = rows[:bad], metas[:bad]
-        bits = p.index.tiers_of(rows).tolist()
+        bits = parts.index.tiers_of(rows).tolist()
         i = 0
         while i < len(rows):
-            if bits[i] & p.l1.bit and p.l1.read(metas[i], outs[i]):
-                p.counters.inc("hit_blocks_l1")
+            if bits[i] & parts.l1.bit and parts.l1.read(metas[i], outs[i]):
+                parts.counters.inc("hit_blocks_l1")
                 i += 1
                 continue
-            tier = next((t for t in p.backing if bits[i] & t.bit), None)
+            tier = next((t for t in parts.backing if bits[i] & t.bit), None)
             if tier is None:
                 return i
             j = i + 1
-            while j < len(rows) and bits[j] & tier.bit and not bits[j] & p.l1.bit:
+            while j < len(rows) and bits[j] & tier.bit and not bits[j] & parts.l1.bit:
                 j += 1
             got = tier.read_many(metas[i:j], outs[i:j])
             if got:
-                p.counters.inc(f"hit_blocks_{tier.name}", got)
+                parts.counters.inc(f"hit_blocks_{tier.name}", got)
                 if promote:
                     stored = self.writer.put_l1(metas[i : i + got], outs[i : i + got])
-                    if tier is p.remote and p.l2 is not None and stored:
-                        p.saver.submit(len(stored), lambda s=stored: self.writer.write_through(s, [p.l2]))
+                    if tier is parts.remote and parts.l2 is not None and stored:
+                        parts.saver.submit(len(stored), lambda s=stored: self.writer.write_through(s, [parts.l2]))
             if got < j - i:
-                p.index.drop_tier(keys[i + got], tier.bit)  # the tier dropped a bad copy
+                parts.index.drop_tier(keys[i + got], tier.bit)  # the tier dropped a bad copy
                 bits[i + got] &= ~tier.bit
                 i += got
-                if not any(bits[i] & t.bit for t in p.backing):
+                if not any(bits[i] & t.bit for t in parts.backing):
                     return i
                 continue  # another tier may still hold it
             i = j
@@ -122,42 +122,44 @@ class Loader:
         """Make the hit's blocks resident in L1 (reading backing tiers, verifying checksums).
         Returns how many leading blocks are now in L1; the rest of the prefix is not usable.
         With ``local_copy``, blocks read from the shared tier are written to L2 too."""
-        p = self.p
+        parts = self.parts
         keys = hit.chain.keys
-        rows, lease = p.index.pin_keys(keys)
+        rows, lease = parts.index.pin_keys(keys)
         if lease is None:
             return 0
         try:
             usable = len(rows)
-            slots = p.l1.slots_of(keys[:usable])
+            slots = parts.l1.slots_of(keys[:usable])
             first = next((i for i, s in enumerate(slots) if s is None), usable)
             if first == usable:
                 return usable
-            todo = p.index.metas(rows[first:usable], keys[first:usable])
+            todo = parts.index.metas(rows[first:usable], keys[first:usable])
             if any(m is None for m in todo):
                 return first
             res = self.evictor.reserve_slots(todo)  # type: ignore[arg-type]
             if not res.slots:
                 return first
-            assert p.l1.data is not None
-            views = [p.l1.data[s, : m.size] for s, m in zip(res.slots, res.metas)]
+            assert parts.l1.data is not None
+            views = [parts.l1.data[s, : m.size] for s, m in zip(res.slots, res.metas)]
             n = len(res.slots)
             got = self._fetch(rows[first : first + n], keys[first : first + n], views, promote=False)
             if got < len(res.slots):
-                p.l1.release(res.slots[got:])
-                p.counters.inc("load_failures")
+                parts.l1.release(res.slots[got:])
+                parts.counters.inc("load_failures")
             stored = self.writer.publish(Reservation(res.metas[:got], res.slots[:got]))
-            if local_copy and p.remote is not None and p.l2 is not None and stored:  # local copy of remote blocks
-                p.saver.submit(len(stored), lambda: self.writer.write_through(stored, [p.l2]))
+            # a local copy of the blocks that came from the shared tier
+            if local_copy and parts.remote is not None and parts.l2 is not None and stored:
+                parts.saver.submit(len(stored), lambda: self.writer.write_through(stored, [parts.l2]))
             return first + got
         finally:
-            p.index.unpin(lease)
+            parts.index.unpin(lease)
 
     def stage_later(self, hit: Hit, on_done: Callable[[int | None], None], local_copy: bool = True) -> bool:
         """``stage`` on a save thread; ``on_done(n)`` hears how many leading blocks are in L1, or
         None if the job raised. False (and nothing queued) when the queue is full."""
-        missing = sum(s is None for s in self.p.l1.slots_of(hit.chain.keys))
-        return self.p.saver.submit(missing, lambda: on_done(self.stage(hit, local_copy)), on_fail=lambda: on_done(None))
+        missing = sum(s is None for s in self.parts.l1.slots_of(hit.chain.keys))
+        return self.parts.saver.submit(missing, lambda: on_done(self.stage(hit, local_copy)),
+                                       on_fail=lambda: on_done(None))
 
     # ------------------------------------------------------ caller's memory
     def load_runs(self, hit: Hit, runs: ByteRuns) -> int:
@@ -168,7 +170,7 @@ class Loader:
         Blocks only a shared tier holds, or whose disk copy failed while a shared tier holds
         them, are staged through L1 as in ``stage``. Returns how many leading blocks were loaded;
         the runs of the first failed block hold garbage."""
-        p = self.p
+        parts = self.parts
         from_l1 = runs.from_l1
         if from_l1 is None:
             raise ValueError("a load into ByteRuns needs from_l1, for blocks resident in L1")
@@ -176,29 +178,29 @@ class Loader:
         if not keys:
             return 0
         with self._leading(hit) as (rows, usable):
-            bits = p.index.tiers_of(rows[:usable]).tolist()
-            slots = p.l1.slots_of(keys[:usable])
-            l2_bit = p.l2.bit if p.l2 is not None else 0
+            bits = parts.index.tiers_of(rows[:usable]).tolist()
+            slots = parts.l1.slots_of(keys[:usable])
+            l2_bit = parts.l2.bit if parts.l2 is not None else 0
             n = from_mem = 0
             while n < usable:
                 slot = slots[n]
-                if bits[n] & p.l1.bit and slot is not None:
+                if bits[n] & parts.l1.bit and slot is not None:
                     from_l1(n, slot)
                     from_mem += 1
                 elif bits[n] & l2_bit:
-                    assert p.l2 is not None
-                    meta = p.index.metas(rows[n : n + 1], keys[n : n + 1])[0]
-                    if meta is None or not p.l2.read_views(meta, runs.runs(n)):
-                        p.index.drop_tier(keys[n], l2_bit)  # the tier dropped a bad copy
+                    assert parts.l2 is not None
+                    meta = parts.index.metas(rows[n : n + 1], keys[n : n + 1])[0]
+                    if meta is None or not parts.l2.read_views(meta, runs.runs(n)):
+                        parts.index.drop_tier(keys[n], l2_bit)  # the tier dropped a bad copy
                         break
                 else:
                     break
                 n += 1
             if from_mem:
-                p.counters.inc("hit_blocks_l1", from_mem)
+                parts.counters.inc("hit_blocks_l1", from_mem)
             if n - from_mem:
-                p.counters.inc("hit_blocks_l2", n - from_mem)
-            if n < usable and p.remote is not None:
+                parts.counters.inc("hit_blocks_l2", n - from_mem)
+            if n < usable and parts.remote is not None:
                 rest = Hit(hit.ns, hit.epoch, chain_slice(hit.chain, n, usable), [], None)
                 n += self._stage_rest(rest, n, from_l1)
             self._count_failures(n, len(keys))
@@ -207,7 +209,7 @@ class Loader:
     def _stage_rest(self, rest: Hit, first: int, from_l1: Callable[[int, int], None]) -> int:
         """Stage ``rest`` through L1 (other tiers), then copy it out; its rows are pinned."""
         got = self.stage(rest)
-        slots = self.p.l1.slots_of(rest.chain.keys[:got])
+        slots = self.parts.l1.slots_of(rest.chain.keys[:got])
         done = next((i for i, s in enumerate(slots) if s is None), got)
         for i in range(done):
             from_l1(first + i, slots[i])  # type: ignore[arg-type]

@@ -26,13 +26,13 @@ def chain_slice(chain: BlockChain, start: int, stop: int | None = None) -> Block
 
 class Lookup:
     def __init__(self, parts: Parts) -> None:
-        self.p = parts
+        self.parts = parts
 
     def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
               *, partial: bool = True) -> tuple[int, BlockChain]:
         """Current epoch and the chained keys of ``tokens`` (full blocks, then the partial tail)."""
-        epoch = self.p.epochs.get(ns.seed)
-        keys = self.p.keys
+        epoch = self.parts.epochs.get(ns.seed)
+        keys = self.parts.keys
         return epoch, keys.chain_keys(keys.root_key(ns.seed, epoch), as_tokens(tokens), ns.block_size, extra,
                                       partial=partial)
 
@@ -40,22 +40,22 @@ class Lookup:
                *, pin: bool = False) -> Hit:
         since = time.monotonic()  # before anything else: the epoch must be confirmed since then
         tokens = as_tokens(tokens)
-        epoch, confirmed = self.p.epochs.lookup_epoch(ns.seed, since)
-        if not confirmed or not self.p.epochs.joined(ns.seed):
+        epoch, confirmed = self.parts.epochs.lookup_epoch(ns.seed, since)
+        if not confirmed or not self.parts.epochs.joined(ns.seed):
             return self._unconfirmed(ns, confirmed)
-        keys = self.p.keys
+        keys = self.parts.keys
         chain = keys.chain_keys(keys.root_key(ns.seed, epoch), tokens, ns.block_size, extra)
         if pin:  # validated and pinned in one index call: the common, whole-prompt hit is done
-            rows_full, lease = self.p.index.match_pinned(ns.seed, epoch, chain)
+            rows_full, lease = self.parts.index.match_pinned(ns.seed, epoch, chain)
         else:
-            rows_full, lease = self.p.index.match_rows(ns.seed, epoch, chain), None
+            rows_full, lease = self.parts.index.match_rows(ns.seed, epoch, chain), None
         n = len(rows_full)
         if n == len(chain.keys):
-            self.p.counters.inc("lookups")
-            self.p.counters.inc("lookup_hit_blocks", n)
-            return Hit(ns, epoch, chain, self.p.index.tiers_of(rows_full).tolist(), lease)
+            self.parts.counters.inc("lookups")
+            self.parts.counters.inc("lookup_hit_blocks", n)
+            return Hit(ns, epoch, chain, self.parts.index.tiers_of(rows_full).tolist(), lease)
         if lease is not None:  # adoption or a tail extends the hit: pin it all by key below
-            self.p.index.unpin(lease)
+            self.parts.index.unpin(lease)
         n += self._match(ns.seed, epoch, chain, n)  # blocks another process stored, by header
         hit = chain if n == len(chain.keys) else chain_slice(chain, 0, n)
         if n < len(chain.keys):
@@ -68,8 +68,8 @@ class Lookup:
         """Like ``lookup`` for a chain built by the caller (``keys.chain_digests``): the longest
         valid stored prefix of ``chain``, from the index and tier headers only. A miss unless
         ``epoch`` is the namespace's epoch, confirmed now."""
-        current, confirmed = self.p.epochs.lookup_epoch(ns.seed, time.monotonic())
-        if not confirmed or not self.p.epochs.joined(ns.seed):
+        current, confirmed = self.parts.epochs.lookup_epoch(ns.seed, time.monotonic())
+        if not confirmed or not self.parts.epochs.joined(ns.seed):
             return self._unconfirmed(ns, confirmed)
         n = self._match(ns.seed, epoch, chain, 0) if current == epoch else 0  # replaced since the chain was built
         return self._hit(ns, epoch, chain_slice(chain, 0, n), pin)
@@ -79,8 +79,8 @@ class Lookup:
         namespace's epoch recently enough (or a reset of it is not written yet), or (``confirmed``)
         this instance has not joined it (a reset made elsewhere: ``joins``), so nothing of it may
         be served."""
-        self.p.counters.inc("lookups")
-        self.p.counters.inc("not_joined_misses" if confirmed else "unconfirmed_epoch_misses")
+        self.parts.counters.inc("lookups")
+        self.parts.counters.inc("not_joined_misses" if confirmed else "unconfirmed_epoch_misses")
         return Hit(ns, 0, BlockChain([], [], [], []), [], None)
 
     def _hit(self, ns: Namespace, epoch: int, chain: BlockChain, pin: bool) -> Hit:
@@ -88,23 +88,23 @@ class Lookup:
         pinned in one index call: a block dropped since validation (its row possibly reused by
         another block) ends the hit there instead of being read under another block's row."""
         if pin:
-            rows, lease = self.p.index.pin_keys(chain.keys)
+            rows, lease = self.parts.index.pin_keys(chain.keys)
         else:
-            rows, lease = self.p.index.rows_of(chain.keys), None
+            rows, lease = self.parts.index.rows_of(chain.keys), None
             gone = np.flatnonzero(rows < 0)
             rows = rows[: gone[0]] if len(gone) else rows
         if len(rows) < len(chain.keys):
             chain = chain_slice(chain, 0, len(rows))
-        self.p.counters.inc("lookups")
-        self.p.counters.inc("lookup_hit_blocks", len(rows))
-        return Hit(ns, epoch, chain, self.p.index.tiers_of(rows).tolist(), lease)
+        self.parts.counters.inc("lookups")
+        self.parts.counters.inc("lookup_hit_blocks", len(rows))
+        return Hit(ns, epoch, chain, self.parts.index.tiers_of(rows).tolist(), lease)
 
     def _match(self, seed: bytes, epoch: int, chain: BlockChain, start: int) -> int:
         """Leading valid run from ``start``; blocks other processes stored are adopted by header."""
         n = start
         total = len(chain.keys)
         while n < total:
-            n += self.p.index.match(seed, epoch, chain, n)
+            n += self.parts.index.match(seed, epoch, chain, n)
             if n == total or not self._adopt(seed, epoch, chain, n):
                 break
         return n - start
@@ -113,7 +113,7 @@ class Lookup:
         """Commit the blocks from ``i`` on that a backing tier holds under their keys (one batched
         header probe per tier: O(1) round trips for a remote tier)."""
         size = self._block_size(chain, i)
-        for tier in self.p.backing:
+        for tier in self.parts.backing:
             metas = tier.probe_many(chain.keys[i:])
             good = []
             for j, meta in enumerate(metas):
@@ -122,13 +122,13 @@ class Lookup:
                         or meta.fp != chain.fps[k] or meta.ntok != chain.lengths[k]):
                     break
                 if meta.size != (size or meta.size):  # every block of a namespace has one size
-                    self.p.counters.inc("adopt_wrong_size")
+                    self.parts.counters.inc("adopt_wrong_size")
                     break
                 size = meta.size
                 good.append(meta)
             if good:
-                self.p.index.commit_many(good, tier.bit)
-                return self.p.index.match(seed, epoch, chain, i) > 0
+                self.parts.index.commit_many(good, tier.bit)
+                return self.parts.index.match(seed, epoch, chain, i) > 0
         return False
 
     def _block_size(self, chain: BlockChain, i: int) -> int:
@@ -136,12 +136,12 @@ class Lookup:
         when it is fixed, else the size of the block before ``i``. A header from a backing tier
         claiming another size is forged or foreign: staged, it would fill part of a slot and leave
         the rest of it stale."""
-        if self.p.l1.slot_bytes:
-            return self.p.l1.slot_bytes
+        if self.parts.l1.slot_bytes:
+            return self.parts.l1.slot_bytes
         if i:
-            rows = self.p.index.rows_of(chain.keys[i - 1 : i])
+            rows = self.parts.index.rows_of(chain.keys[i - 1 : i])
             if len(rows) and rows[0] >= 0:
-                meta = self.p.index.metas(rows[:1], chain.keys[i - 1 : i])[0]
+                meta = self.parts.index.metas(rows[:1], chain.keys[i - 1 : i])[0]
                 if meta is not None:
                     return meta.size
         return 0
@@ -151,13 +151,13 @@ class Lookup:
         """A stored partial block after ``parent`` (at token ``start``) whose tokens begin
         ``tokens[start:]``, longest first."""
         rest = tokens[start:]
-        lengths = set(self.p.index.tail_lengths(parent))
-        for tier in self.p.backing:
+        lengths = set(self.parts.index.tail_lengths(parent))
+        for tier in self.parts.backing:
             lengths.update(tier.tail_lengths(parent))
         for ntok in sorted(lengths, reverse=True):
             if ntok >= ns.block_size or ntok > len(rest):
                 continue
-            key, fp = self.p.keys.block_key(parent, rest[:ntok], extra_at(extra, start, start + ntok))
+            key, fp = self.parts.keys.block_key(parent, rest[:ntok], extra_at(extra, start, start + ntok))
             one = BlockChain([key], [parent], [fp], [ntok])
             if self._match(ns.seed, epoch, one, 0):
                 return one

@@ -1,7 +1,8 @@
 """The store protocol: ``StoreProtocol``, the contract engine glue programs against, and the
-handles it passes around (``Hit``, ``Reservation``, ``ByteRuns``, ``Arena``).
+types it passes around: the handles ``Hit``, ``Reservation``, ``ByteRuns``, ``Arena``; a hybrid
+model's ``GroupRule`` and ``GroupHit`` (``lookup_groups``); ``StoreFigures`` (``figures``).
 
-``BlockStore`` (``store/__init__.py``) implements it; modeled on vLLM's ``kv_offload/abstract.py``,
+``BlockStore`` (``store/block_store.py``) implements it; modeled on vLLM's ``kv_offload/abstract.py``,
 every primitive is thread-safe. The adapters (``kvstrata.adapters``) use nothing else of the
 store: ``tests/test_protocol.py`` checks their imports and every ``store.<name>`` they touch.
 
@@ -16,7 +17,8 @@ took (``count_served``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -27,7 +29,6 @@ if TYPE_CHECKING:
     import torch
 
     from kvstrata.tiers import MemoryTier
-    from kvstrata.store.groups import GroupHit, GroupRule
 
 
 class Hit(NamedTuple):
@@ -48,6 +49,65 @@ class Hit(NamedTuple):
         return sum(self.chain.lengths)
 
 
+GroupKind = Literal["full", "window", "state"]
+KINDS: tuple[GroupKind, ...] = ("full", "window", "state")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRule:
+    """What one KV-cache group needs from the cache to resume a prompt at a block boundary."""
+
+    kind: GroupKind  # "full": every block; "window": a sliding window; "state": an SSM state at N
+    tag: bytes  # the group's own key chain (``keys.group_root``); distinct per group of a model
+    window_tokens: int = 0  # "window" only: the tokens the window reaches (the engine's effective window)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"group kind {self.kind!r} is not one of {KINDS}")
+        if not self.tag:
+            raise ValueError("a group needs a non-empty tag: it separates the group's keys")
+        if (self.kind == "window") != (self.window_tokens > 0):
+            raise ValueError(f"window_tokens={self.window_tokens} for a {self.kind!r} group: "
+                             "a window group needs a positive window, the others none")
+
+    def first_block(self, stop: int, lo_block: int, block_size: int) -> int:
+        """The first block this group loads to resume at token ``stop * block_size`` (it loads
+        blocks ``[first, stop)``) when the engine already holds the blocks below ``lo_block``.
+        A window reaching token ``N - window + 1`` needs that token's block on (``first == stop``
+        for a window of one token: it needs nothing cached); a state only its block at N."""
+        if self.kind == "full":
+            return lo_block
+        if self.kind == "state":
+            return stop - 1
+        return max(lo_block, (stop * block_size - self.window_tokens + 1) // block_size)
+
+
+class GroupHit(NamedTuple):
+    """A prefix every group can serve: resume at ``boundary`` tokens (0: a miss).
+
+    ``hits[g]`` holds exactly the blocks group g loads, in block order, each with its own pin
+    (``complete_load(hits[g])`` gives it back); ``positions[g]`` the block index of each in the
+    prompt. On a miss every group's hit is empty, so ``hits`` and ``positions`` stay aligned with
+    the rules either way."""
+
+    boundary: int
+    hits: list[Hit]
+    positions: list[np.ndarray]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(h.num_blocks for h in self.hits)
+
+
+class StoreFigures(NamedTuple):
+    """What ``figures`` reads: every counter, the latency samples, the gauges (names as in
+    ``kvstrata.metrics.METRICS``'s sources)."""
+
+    counters: dict[str, int]  # every counter's total now (as ``snapshot``)
+    gauges: dict[str, int]  # bytes and blocks resident per tier, ``namespaces_not_joined`` ({}: not read)
+    samples: dict[str, list[float]]  # latency samples observed since the previous ``figures`` call
+
+
 class Reservation(NamedTuple):
     """L1 slots handed out by ``prepare_store`` for blocks being written; invisible until
     ``complete_store``. ``metas[i]`` is the block that goes into ``slots[i]``."""
@@ -58,7 +118,7 @@ class Reservation(NamedTuple):
 
 class ByteRuns(NamedTuple):
     """The caller's own memory as source or destination of direct disk I/O (SGLang's host pool):
-    block i is the byte runs ``runs(i)`` (at most ``BlockStore.max_runs`` of them).
+    block i is the byte runs ``runs(i)`` (at most the store's ``max_runs`` of them).
 
     ``size`` is the bytes per block a ``save`` writes; a ``load`` reads each block's stored size.
     ``from_l1(i, slot)`` (loads only) copies block i from its L1 slot, for blocks resident there.
@@ -71,7 +131,7 @@ class ByteRuns(NamedTuple):
 
 class Arena:
     """Read-only view of the L1 arena, for engine glue that moves KV in and out of its slots
-    itself: vLLM's workers map its shared file (``BlockStore(l1_shared_path=...)``); SGLang
+    itself: vLLM's workers map its shared file (``open_store(l1_shared_path=...)``); SGLang
     scatters and gathers its host pool from ``data``. Which slots a hit occupies is
     ``slots(hit)``; a reservation's are ``res.slots``."""
 
@@ -120,7 +180,8 @@ class StoreProtocol(Protocol):
       background thread);
     - stores: ``prepare_store`` then ``complete_store`` (the caller fills fresh L1 slots),
       ``save`` (queued) / ``save_now`` / ``save_runs`` (straight to disk from the caller's memory);
-    - figures: ``count_served``, ``snapshot``, ``listen`` (tier changes), ``tier_bits``;
+    - figures: ``count_served``, ``snapshot``, ``figures`` (what an engine's metrics export),
+      ``listen`` (tier changes), ``tier_bits``;
     - control: ``describe``, ``invalidate`` (a flush every instance adopts), ``reset`` (the
       engine's reset after a weight update: other instances serve and save nothing of the
       namespace until they reset too), ``joined``, ``flush``, ``close``; and the L1 ``arena`` view with
@@ -173,6 +234,7 @@ class StoreProtocol(Protocol):
     def count_served(self, origins: Sequence[str], tokens: Sequence[int], *, copied_from_l1: bool = True,
                      l1_bytes: int = 0) -> None: ...
     def snapshot(self) -> dict[str, int]: ...
+    def figures(self, last: Mapping[str, int] | None = None) -> StoreFigures: ...
     def listen(self, listener: Callable[[str, Sequence[Any], bool], None]) -> None: ...
 
     def describe(self, ns: Namespace) -> None: ...

@@ -1,31 +1,33 @@
 """What a store holds, for people and gauges: the namespaces' descriptors read back
-(``descriptors``), bytes and blocks resident per tier (``resident``) and ``stats``."""
+(``descriptors``), bytes and blocks resident per tier (``resident``), what an engine's metrics
+export (``figures``) and ``stats``."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
 from kvstrata.epochs.descriptors import decode as decode_descriptor
 from kvstrata.keys import Namespace
 from kvstrata.store.parts import Parts
+from kvstrata.store.protocol import StoreFigures
 
 log = logging.getLogger(__name__)
 
 
-def descriptors(p: Parts, seeds: Iterable[bytes]) -> dict[bytes, Namespace]:
+def descriptors(parts: Parts, seeds: Iterable[bytes]) -> dict[bytes, Namespace]:
     """See ``BlockStore.descriptors``."""
     out: dict[bytes, Namespace] = {}
     for seed in seeds:
-        raw = p.epochs.descriptor(seed)
+        raw = parts.epochs.descriptor(seed)
         if raw is None:
             continue
         ns = decode_descriptor(raw, seed)
         if ns is None:
-            p.counters.inc("bad_descriptors")
+            parts.counters.inc("bad_descriptors")
             log.warning("kvstrata: ignoring the descriptor of namespace %s: %d bytes that do not describe "
                         "it (damaged, or not written by kvstrata)", seed[:8].hex(), len(raw))
         else:
@@ -33,28 +35,36 @@ def descriptors(p: Parts, seeds: Iterable[bytes]) -> dict[bytes, Namespace]:
     return out
 
 
-def resident(p: Parts) -> dict[str, int]:
+def resident(parts: Parts) -> dict[str, int]:
     """See ``BlockStore.resident``."""
-    bits = p.index.tiers_of(slice(None))  # type: ignore[arg-type]
+    bits = parts.index.tiers_of(slice(None))  # type: ignore[arg-type]
     out: dict[str, int] = {}
-    for tier in p.tiers:
+    for tier in parts.tiers:
         out[f"{tier.name}_resident_blocks"] = int(np.count_nonzero(bits & tier.bit))
         out[f"{tier.name}_resident_bytes"] = int(tier.used_bytes)
-    out["namespaces_not_joined"] = len(p.epochs.not_joined())
+    out["namespaces_not_joined"] = len(parts.epochs.not_joined())
     return out
 
 
-def stats(p: Parts) -> dict[str, object]:
+def figures(parts: Parts, last: Mapping[str, int] | None) -> StoreFigures:
+    """See ``BlockStore.figures``."""
+    counters = parts.counters.snapshot()
+    samples = parts.counters.take_samples()
+    moved = last is None or any(v != last.get(k, 0) for k, v in counters.items())
+    return StoreFigures(counters, resident(parts) if moved else {}, samples)
+
+
+def stats(parts: Parts) -> dict[str, object]:
     """See ``BlockStore.stats``."""
-    census = p.index.census([t.bit for t in p.tiers])  # vectorized: seconds saved at millions of blocks
+    census = parts.index.census([t.bit for t in parts.tiers])  # vectorized: seconds saved at millions of blocks
     tiers = {t.name: {"blocks": census.per_tier[t.bit][0], "bytes": census.per_tier[t.bit][1],
-                      "capacity_bytes": t.capacity_bytes} for t in p.tiers}
+                      "capacity_bytes": t.capacity_bytes} for t in parts.tiers}
     spaces: dict[str, dict[str, dict[str, int]]] = {}
     for (seed, epoch), (blocks, nbytes) in sorted(census.per_epoch.items()):
         spaces.setdefault(seed[:8].hex(), {})[f"{epoch:016x}"] = {"blocks": blocks, "bytes": nbytes}
-    seeds = sorted(set(census.seeds) | set(p.epochs.known()))
-    current = {s[:8].hex(): f"{p.epochs.get(s):016x}" for s in seeds}
-    described = {s[:8].hex(): asdict(ns) for s, ns in descriptors(p, seeds).items()}
-    behind = sorted(s[:8].hex() for s in p.epochs.not_joined())
+    seeds = sorted(set(census.seeds) | set(parts.epochs.known()))
+    current = {s[:8].hex(): f"{parts.epochs.get(s):016x}" for s in seeds}
+    described = {s[:8].hex(): asdict(ns) for s, ns in descriptors(parts, seeds).items()}
+    behind = sorted(s[:8].hex() for s in parts.epochs.not_joined())
     return {"tiers": tiers, "namespaces": spaces, "current_epochs": current, "not_joined": behind,
-            "descriptors": described, "counters": p.counters.snapshot()}
+            "descriptors": described, "counters": parts.counters.snapshot()}

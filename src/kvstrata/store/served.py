@@ -13,29 +13,30 @@ from kvstrata.store.parts import Parts
 from kvstrata.store.protocol import Hit
 
 
-def origins(p: Parts, hit: Hit) -> list[str]:
+def origins(parts: Parts, hit: Hit) -> list[str]:
     """See ``BlockStore.origins``. One pass per tier, not per block."""
-    slots = p.l1.slots_of(hit.chain.keys)
+    slots = parts.l1.slots_of(hit.chain.keys)
     bits = np.asarray(hit.tiers, dtype=np.int64)
     which = np.zeros(len(bits), dtype=np.int8)
     todo = np.fromiter((s is None for s in slots), dtype=bool, count=len(bits))
-    for i, tier in enumerate(p.backing, 1):
+    for i, tier in enumerate(parts.backing, 1):
         on = todo & ((bits & tier.bit) != 0)
         which[on] = i
         todo &= ~on
-    names = [tier.name for tier in p.tiers]
+    names = [tier.name for tier in parts.tiers]
     return [names[i] for i in which.tolist()]
 
 
-def load_sample(p: Parts, hit: Hit) -> str:
+def load_sample(parts: Parts, hit: Hit) -> str:
     """``load_seconds_<the outermost tier a load of hit may read>``."""
-    order = [tier.name for tier in p.tiers]
-    return f"load_seconds_{max(origins(p, hit), key=order.index, default=order[0])}"
+    order = [tier.name for tier in parts.tiers]
+    return f"load_seconds_{max(origins(parts, hit), key=order.index, default=order[0])}"
 
 
-def count_served(p: Parts, origins: Sequence[str], tokens: Sequence[int], copied_from_l1: bool, l1_bytes: int) -> None:
+def count_served(parts: Parts, origins: Sequence[str], tokens: Sequence[int], copied_from_l1: bool,
+                 l1_bytes: int) -> None:
     """See ``BlockStore.count_served``."""
-    counters = p.counters
+    counters = parts.counters
     counters.inc("served_tokens", sum(tokens))
     per_tier: dict[str, int] = {}
     for tier, n in zip(origins, tokens):

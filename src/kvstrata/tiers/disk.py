@@ -1,10 +1,10 @@
 """tiers/disk.py: L2, ``DiskTier``: local disk, one file per block in sharded folders, published
-by rename. (Over 300 lines: the write, read, probe, tail-marker and recovery paths of one folder
-format, which ``sharedfs`` reuses whole.)
+by rename: the write, read, probe, tail-marker and recovery paths of one folder format, which
+``sharedfs`` reuses whole.
 
 Layout under ``root`` (the names: ``folder``)::
 
-    blocks/ab/<key hex>.kvb             128-byte header (blockfmt) + payload, mode 0600
+    blocks/ab/<key hex>.kvb             128-byte header (format/block.py) + payload, mode 0600
     blocks/ab/.<key hex>.<pid>.<n>.tmp  a write in progress (never read)
     tails/ab/<parent hex>/<ntok>.<key hex>  marker: partial block <key> of ntok tokens follows parent
                                         (one per block: two tails of one length under one parent

@@ -1,13 +1,13 @@
 """tiers/redis.py: L3 on Redis or Valkey (standalone or Cluster), ``RedisTier``: blocks shared by
-every instance. Its epochs are ``redis_epochs``; the client and value reporting ``redis_client``.
+every instance. Its epochs are ``epochs/redis.py``; the client and value reporting ``redis_client``.
 
 Keys (``P`` is ``remote.key_prefix``; ``{hex}`` is a Cluster hash tag, so a block's keys share a
 slot and a node):
 
-    P:{<key hex>}:p      128-byte header (blockfmt) + payload, binary; never pickled
+    P:{<key hex>}:p      128-byte header (format/block.py) + payload, binary; never pickled
     P:{<key hex>}:i      the committed index entry: the same header alone
     P:{<parent hex>}:t   set of token counts of partial blocks stored after that parent
-    P:epoch:<ns hex>     namespace epoch (random u64, see ``epochs``), announced on ``P:epochs``
+    P:epoch:<ns hex>     namespace epoch (random u64, see ``epochs/base.py``), announced on ``P:epochs``
 
 With a secret (``remote.auth_key_file``, see ``auth``), ``P`` is ``<key_prefix>:<key id>`` (the
 secret's own key space), a block value's header carries its MAC tag, and an index entry is the
@@ -33,7 +33,7 @@ counted by kind and logged (at most once a minute per kind, values cut to 80 cha
     remote_wrong_type    the key holds a hash, list, ... instead of a string
     remote_bad_tails     a member of a tail set that is not a token count
     checksum_failures    payload bytes that do not match the header's checksum
-    remote_bad_epochs, remote_bad_messages, remote_unstable_epochs: see ``redis_epochs``
+    remote_bad_epochs, remote_bad_messages, remote_unstable_epochs: see ``epochs/redis.py``
 
 A bad block value is deleted (both keys: the next save of that block publishes it again); a bad
 index entry is left for that next save to overwrite. A key of the wrong type reads as absent
@@ -68,8 +68,8 @@ from kvstrata.tiers.breaker import Breaker
 from kvstrata.tiers.redis_client import Rejections, connect, is_wrong_type, protocol_error, service_errors, shown
 
 _MAX_TAILS = 1024  # tail lengths read per parent: a set bloated by someone costs one bounded reply
-_MAX_TAIL_TOKENS = 1 << 24  # blockfmt's bound on a block's token count
-_COUNTERS = {"bad_header": "remote_bad_headers", "wrong_key": "remote_wrong_key",  # blockfmt.Mismatch kinds
+_MAX_TAIL_TOKENS = 1 << 24  # format/block.py's bound on a block's token count
+_COUNTERS = {"bad_header": "remote_bad_headers", "wrong_key": "remote_wrong_key",  # format.block.Mismatch kinds
              "wrong_size": "remote_wrong_size", "checksum": "checksum_failures", "auth": "remote_auth_blocks"}
 _DOMAIN = b"redis"  # the tier a block's MAC is bound to (a valid disk block copied here fails)
 _PARALLEL_BYTES = 1 << 20  # a load at least this large checks its MACs on the pool's threads

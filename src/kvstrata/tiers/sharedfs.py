@@ -15,7 +15,7 @@ instances running as different users of one group can share it.
 
 With a secret (``auth``) the tier lives in ``<remote.path>/auth-<key id>`` (the secret's own
 space: deployments with different secrets never read, count or delete each other's files), and
-every block and epoch file carries a MAC (see ``disk`` and ``file_epochs``).
+every block and epoch file carries a MAC (see ``disk`` and ``epochs/folder.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A prefill/decode router for vLLM instances that share a kvstrata store (issue 30).
+"""A prefill/decode router for vLLM instances that share a kvstrata store (disaggregated serving).
 
 Each ``/v1/completions`` or ``/v1/chat/completions`` request goes first to a prefill instance
 (``kv_role: kv_producer``) with ``max_tokens: 1`` and no streaming; that answer comes once the

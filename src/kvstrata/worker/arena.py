@@ -1,4 +1,4 @@
-"""tiers/arena.py: the shared L1 arena, one file in ``/dev/shm`` that the store and the engine's
+"""worker/arena.py: the shared L1 arena, one file in ``/dev/shm`` that the store and the engine's
 workers map (``create_shared_arena``, ``attach_shared_arena``, ``release_shared_arena``,
 ``remove_dead_arenas``), and ``Prefaulter``, which maps an arena's pages ahead of use.
 

@@ -1,4 +1,4 @@
-"""blockcopy.py: ``BlockLayout``, moving whole KV blocks between an engine's per-layer KV tensors
+"""worker/copy.py: ``BlockLayout``, moving whole KV blocks between an engine's per-layer KV tensors
 and L1 arena slots (``save``: engine to slots, ``load``: slots to engine).
 
 An engine keeps one KV tensor per layer, with the block index on some dimension (dim 0 for vLLM's

@@ -21,13 +21,14 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.metrics import bind_series, feed_series, make_series
 
-from kvstrata.metrics import FigureCollector, bind_series, feed_series, make_series
+from kvstrata.adapters.figures import FigureCollector
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    from kvstrata.store import BlockStore
+    from kvstrata.store import StoreProtocol
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +63,12 @@ def _metric_classes() -> dict[str, Any]:
             resolve_collector_class,
         )
 
-        cls = resolve_collector_class(STAT_LOGGER_ROLE_STORAGE, StorageMetricsCollector)
+        collector = resolve_collector_class(STAT_LOGGER_ROLE_STORAGE, StorageMetricsCollector)
     except Exception:  # noqa: BLE001  not inside a server, or another SGLang version
-        cls = None
-    return {"counter": getattr(cls, "_counter_cls", None) or Counter,
-            "gauge": getattr(cls, "_gauge_cls", None) or Gauge,
-            "histogram": getattr(cls, "_histogram_cls", None) or Histogram}
+        collector = None
+    return {"counter": getattr(collector, "_counter_cls", None) or Counter,
+            "gauge": getattr(collector, "_gauge_cls", None) or Gauge,
+            "histogram": getattr(collector, "_histogram_cls", None) or Histogram}
 
 
 def _families_for(labelnames: tuple[str, ...]) -> dict[str, Any] | None:
@@ -88,7 +89,7 @@ def _families_for(labelnames: tuple[str, ...]) -> dict[str, Any] | None:
 class StorageSeries:
     """One backend's ``kvstrata_*`` children, fed from its store at every ``get_stats`` call."""
 
-    def __init__(self, store: "BlockStore", labels: dict[str, str]) -> None:
+    def __init__(self, store: "StoreProtocol", labels: dict[str, str]) -> None:
         self.collector = FigureCollector(store)
         families = _families_for(tuple(labels))
         self.children = bind_series(families, list(labels.values())) if families is not None else {}

@@ -38,7 +38,7 @@ class PageRows:
     """
 
     def __init__(self, pool: "HostKVCache", max_runs: int) -> None:
-        """``max_runs``: the most byte runs a page may have for direct disk I/O (``BlockStore.max_runs``)."""
+        """``max_runs``: the most byte runs a page may have for direct disk I/O (the store's ``max_runs``)."""
         if pool.layout not in LAYOUTS:
             raise ConfigError(f"kvstrata: SGLang host layout {pool.layout!r} is not supported; "
                               f"use --hicache-mem-layout {' or '.join(LAYOUTS)}")

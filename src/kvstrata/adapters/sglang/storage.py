@@ -1,7 +1,7 @@
-"""``StrataStorage``: the SGLang HiCache storage backend (the "L3") over one ``BlockStore``.
+"""``StrataStorage``: the SGLang HiCache storage backend (the "L3") over one kvstrata store.
 
-One instance per scheduler process (one per TP/PP rank), each with its own ``BlockStore`` over the
-shared L2 folder. Owns the backend API SGLang calls (``batch_exists``, ``batch_get_v1``,
+One instance per scheduler process (one per TP/PP rank), each with its own store (``open_store``)
+over the shared L2 folder. Owns the backend API SGLang calls (``batch_exists``, ``batch_get_v1``,
 ``batch_set_v1``, the legacy flat-page methods, ``clear``, ``get_stats``) and the choice of data path.
 
 Keys. SGLang names a page by a hex SHA-256 chained over the previous page's key and the page's
@@ -47,7 +47,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstrata.config import ConfigError
 from kvstrata.keys import BlockChain, Namespace
-from kvstrata.store import BlockStore, ByteRuns, Hit, StoreProtocol
+from kvstrata.store import ByteRuns, Hit, StoreProtocol, open_store
 
 from kvstrata.adapters.versions import check_engine_version
 from kvstrata.adapters.sglang.metrics import StorageSeries, series_labels
@@ -100,7 +100,7 @@ class StrataStorage(HiCacheStorage):
         # MLA ranks hold the same pages: only the writer stores them, every rank reads.
         self.writer = getattr(storage_config, "is_storage_writer",
                               not storage_config.is_mla_model or storage_config.tp_rank == 0)
-        self.store: StoreProtocol = BlockStore(self.config)
+        self.store: StoreProtocol = open_store(self.config)
         self.rows: PageRows | None = None
         self.ns: Namespace | None = None
         self.bypass_l1 = False  # set by register_mem_pool_host
@@ -305,10 +305,10 @@ class StrataStorage(HiCacheStorage):
 
     # -------------------------------------------------------------- control
     def clear(self) -> bool:
-        """A flush (``BlockStore.invalidate``): nothing stored before is served again, by any
+        """A flush (the store's ``invalidate``): nothing stored before is served again, by any
         process, and every instance adopts the new epoch at once.
 
-        Not the engine reset kind (``BlockStore.reset``, after which other instances serve nothing
+        Not the engine reset kind (the store's ``reset``, after which other instances serve nothing
         until they reset too), because SGLang 0.5.23 calls a storage backend's ``clear`` only when
         no weights change: the admin endpoint ``POST /hicache/storage-backend/clear``
         (``Scheduler.clear_hicache_storage_wrapped``) and a PD role switch

@@ -6,7 +6,8 @@ Load it with ``"kv_connector": "StrataConnector"`` (the ``vllm.general_plugins``
 design: one connector instance per role, usually in different processes.
 
 - ``connector``: the ``KVConnectorBase_V1`` facade; dispatches to the side its role built.
-- ``scheduler``: owns the ``BlockStore``; lookups, load and save plans, settling ops.
+- ``scheduler``: owns the store; lookups, load and save plans; ``hybrid``: its paths for hybrid
+  models; ``staging``: disk hits into L1; ``pending``: its requests and copy ops, settled per rank.
 - ``worker``: maps the L1 arena and copies whole blocks between it and the KV cache.
 - ``metadata``: the step plan sent to workers, their per-rank reports, the stats.
 - ``namespace``: what blocks are keyed on; the arena's name in /dev/shm and dead-arena clean-up.

@@ -47,7 +47,7 @@ class _Known:
 
 class KVEvents:
     def __init__(self, block_size: int, tier_bits: dict[str, int]) -> None:
-        """``tier_bits``: each tier's bit in ``hit.tiers`` (``BlockStore.tier_bits``)."""
+        """``tier_bits``: each tier's bit in ``hit.tiers`` (the store's ``tier_bits``)."""
         self.block_size = block_size
         self._bits = tier_bits
         self._lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""The KV cache groups of a vLLM model as kvstrata keys and copies them (hybrid models, issue 28).
+"""The KV cache groups of a vLLM model as kvstrata keys and copies them (hybrid models).
 
 vLLM's hybrid KV cache manager (HMA) gives a hybrid model several KV cache groups, each with a
 block table of its own: full attention, a sliding window, or an SSM state (``MambaSpec``). kvstrata

@@ -1,4 +1,4 @@
-"""The scheduler side's paths for hybrid models: several KV cache groups under vLLM's HMA (issue 28).
+"""The scheduler side's paths for hybrid models: several KV cache groups under vLLM's HMA.
 
 A prefix hit resumes every group at one block boundary (``store.lookup_groups``: full attention
 loads every block from the engine's own prefix on, a sliding window the blocks its window reaches,
@@ -20,41 +20,46 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstrata.keys import BlockChain
-from kvstrata.store import GroupHit, GroupRule
+from kvstrata.keys import BlockChain, Namespace
+from kvstrata.store import GroupHit, GroupRule, StoreProtocol
 
 from kvstrata.adapters.vllm.groups import GroupLayout, destinations, real_positions
-from kvstrata.adapters.vllm.metadata import CopyOp
+from kvstrata.adapters.vllm.pending import Ops, Pending
+from kvstrata.adapters.vllm.roles import Role
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from kvstrata.adapters.vllm.pending import Pending
-    from kvstrata.adapters.vllm.scheduler import SchedulerSide
-
 log = logging.getLogger(__name__)
 
 
 class HybridPlans:
-    """Lookups, load ops and save ops of a hybrid model for ``SchedulerSide``."""
+    """Lookups, load ops and save ops of a hybrid model for the scheduler side (``scheduler.py``),
+    over its store and namespace, its step's ops (``ops``) and its P/D role; ``slot_bytes``: the
+    size of an L1 slot (one block of one group)."""
 
-    def __init__(self, side: "SchedulerSide", layouts: list[GroupLayout]) -> None:
-        self.side = side
+    def __init__(self, store: StoreProtocol, ns: Namespace, ops: Ops, role: Role, slot_bytes: int,
+                 layouts: list[GroupLayout]) -> None:
+        self.store = store
+        self.ns = ns
+        self.ops = ops
+        self.role = role
+        self.slot_bytes = slot_bytes
         self.layouts = layouts
         self.rules = [GroupRule(g.kind, g.tag, g.window_tokens) for g in layouts]
         self.bs = layouts[0].block_size
         self.counted = next((i for i, g in enumerate(layouts) if g.kind == "full"), 0)  # the served tokens' group
 
     # -- lookup
-    def match(self, st: "Pending", num_computed_tokens: int) -> tuple[int, bool]:
+    def match(self, st: Pending, num_computed_tokens: int) -> tuple[int, bool]:
         if st.loaded:  # its load is done: vLLM goes on from what it now holds
             return 0, False
         self.release(st)
         st.local = num_computed_tokens
         hi = (len(st.tokens) - 1) // self.bs * self.bs  # the last token is always computed
-        store = self.side.store
-        hit = store.lookup_groups(self.side.ns, st.tokens, st.extra, self.rules, lo=num_computed_tokens, hi=hi,
+        store = self.store
+        hit = store.lookup_groups(self.ns, st.tokens, st.extra, self.rules, lo=num_computed_tokens, hi=hi,
                                   pin=True)
         if hit.boundary <= num_computed_tokens:
             self._give_back(hit)
@@ -65,7 +70,7 @@ class HybridPlans:
         for h in hit.hits:  # every block a memory copy away: stage what only a backing tier holds
             found = store.arena.slots(h)
             if any(s is None for s in found):
-                store.stage(h._replace(lease=None), local_copy=self.side.role.local_copy)  # under the group's own pin
+                store.stage(h._replace(lease=None), local_copy=self.role.local_copy)  # under the group's own pin
                 found = store.arena.slots(h)
             if any(s is None for s in found):  # damaged or gone meanwhile: no partial promises
                 self._give_back(hit)
@@ -74,16 +79,16 @@ class HybridPlans:
         st.group_hit, st.group_slots = hit, slots
         return hit.boundary - num_computed_tokens, True
 
-    def release(self, st: "Pending") -> None:
+    def release(self, st: Pending) -> None:
         if st.group_hit is not None:
             self._give_back(st.group_hit)
             st.group_hit, st.group_slots = None, []
 
     def _give_back(self, hit: GroupHit) -> None:
         for h in hit.hits:
-            self.side.store.complete_load(h)
+            self.store.complete_load(h)
 
-    def alloc(self, st: "Pending", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def alloc(self, st: Pending, blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         hit = st.group_hit
         if hit is None:
             return
@@ -92,42 +97,43 @@ class HybridPlans:
             return
         table = blocks.get_block_ids()
         dests = [destinations(table[g], pos) for g, pos in enumerate(hit.positions)]
-        side, req_id = self.side, st.request.request_id
+        req_id = st.request.request_id
         st.group_hit, st.group_slots, slots = None, [], st.group_slots
         st.loaded = True
         if any(d is None for d in dests):  # vLLM allocated other positions than the hit needs
             log.warning("kvstrata: %s: the load plan does not match vLLM's block tables; recomputing it", req_id)
             self._give_back(hit)
-            side._loads.append(CopyOp(side._new_op_id(), req_id, [], [], load_async=True, fail=True))
+            self.ops.load(req_id, [], [], load_async=True, fail=True)
             return
         sent = False
         for g, (h, dest) in enumerate(zip(hit.hits, dests)):
             if not dest:
-                side.store.complete_load(h)
+                self.store.complete_load(h)
                 continue
-            op = CopyOp(side._new_op_id(), req_id, list(slots[g]), dest, group=g, load_async=True)
-            side._loads.append(op)
-            side._track(op, hit=h)
+            self.ops.load(req_id, list(slots[g]), dest, hit=h, group=g, load_async=True)
             sent = True
         if not sent:  # nothing to copy: still report the request done
-            side._loads.append(CopyOp(side._new_op_id(), req_id, [], [], load_async=True))
-        side.store.count_served(*side._served(st, num_external_tokens))  # the workers copy out of L1
+            self.ops.load(req_id, [], [], load_async=True)
+        self.store.count_served(*st.taken(num_external_tokens, self.bs))  # the workers copy out of L1
 
     # -- saves
-    def plan_saves(self, req_id: str, st: "Pending", scheduled: int, scheduler_output: "SchedulerOutput") -> None:
-        req, side = st.request, self.side
+    def plan_saves(self, req_id: str, st: Pending, scheduled: int, scheduler_output: "SchedulerOutput",
+                   kv_cache_manager: Any) -> None:
+        """The saves of the blocks this step completes; ``kv_cache_manager``: vLLM's (its block
+        tables), bound to the scheduler side after it was made."""
+        req = st.request
         after = min(req.num_computed_tokens + scheduled, req.num_tokens)
         full = after // self.bs
         states = [(g, b, n) for g, b, n in self._states(scheduler_output, req_id) if n % self.bs == 0 and 0 < n <= after]
         if full <= st.saved_full and not states:
             return
         tokens = np.asarray(req.all_token_ids[: full * self.bs], dtype=np.uint32)
-        epoch = side.store.current_epoch(side.ns)
-        if side.kv_cache_manager is None:
+        epoch = self.store.current_epoch(self.ns)
+        if kv_cache_manager is None:
             raise RuntimeError("kvstrata: bind_kv_cache_manager() was not called before scheduling")
-        table = side.kv_cache_manager.get_block_ids(req_id)
+        table = kv_cache_manager.get_block_ids(req_id)
         for g, layout in enumerate(self.layouts):
-            chain = side.store.group_chain(side.ns, epoch, layout.tag, tokens, st.extra)
+            chain = self.store.group_chain(self.ns, epoch, layout.tag, tokens, st.extra)
             if layout.kind == "state":
                 idx, ids = [], []
                 for group, block_id, boundary in states:
@@ -138,18 +144,15 @@ class HybridPlans:
                 idx = real_positions(table[g], st.saved_full, full).tolist()
                 ids = [table[g][i] for i in idx]
             if idx:
-                self._save(req_id, side.ns, epoch, chain.pick(idx), ids, g)
+                self._save(req_id, epoch, chain.pick(idx), ids, g)
         st.saved_full = max(st.saved_full, full)
 
-    def _save(self, req_id: str, ns: Any, epoch: int, todo: BlockChain, ids: list[int], group: int) -> None:
-        side = self.side
-        res = side.store.prepare_store(ns, epoch, todo, side.arena.slot_bytes)
+    def _save(self, req_id: str, epoch: int, todo: BlockChain, ids: list[int], group: int) -> None:
+        res = self.store.prepare_store(self.ns, epoch, todo, self.slot_bytes)
         if not res.slots:
             return
         position = {key: i for i, key in enumerate(todo.keys)}
-        op = CopyOp(side._new_op_id(), req_id, res.slots, [ids[position[m.key]] for m in res.metas], group=group)
-        side._saves.append(op)
-        side._track(op, reservation=res)
+        self.ops.save(req_id, res, [ids[position[m.key]] for m in res.metas], group=group)
 
     @staticmethod
     def _states(scheduler_output: "SchedulerOutput", req_id: str) -> list[tuple[int, int, int]]:

@@ -3,7 +3,8 @@
 How the figures travel (vLLM's connector stats path): each step the scheduler calls the
 connector's ``get_kv_connector_stats`` on both sides. The scheduler side (``StatsCollector``)
 reports the store's counter deltas, its latency samples and, in a step where a counter moved, the
-resident bytes and blocks per tier (``BlockStore.resident``); each worker reports its own samples and bytes (the L1-to-KV-cache copy).
+resident bytes and blocks per tier (the store's ``figures``); each worker reports its own samples
+and bytes (the L1-to-KV-cache copy).
 vLLM merges them (``StrataStats.aggregate``) and sends them with the scheduler stats to the API
 server process, where ``StrataPromMetrics.observe`` (built by vLLM through the connector's
 ``build_prom_metrics``, with vLLM's ``PromMetric`` classes and its ``model_name``/``engine``
@@ -18,21 +19,22 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
 
-from kvstrata.metrics import FigureCollector, Figures, bind_series, feed_series, make_series
+from kvstrata.metrics import Figures, bind_series, feed_series, make_series
 
+from kvstrata.adapters.figures import FigureCollector
 from kvstrata.adapters.vllm.metadata import StrataStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from kvstrata.store import BlockStore
+    from kvstrata.store import StoreProtocol
 
 
 class StatsCollector:
     """The scheduler side's report: what changed in the store since the last call
-    (``kvstrata.metrics.FigureCollector``, shared with the SGLang adapter)."""
+    (``kvstrata.adapters.figures.FigureCollector``, shared with the SGLang adapter)."""
 
-    def __init__(self, store: "BlockStore") -> None:
+    def __init__(self, store: "StoreProtocol") -> None:
         self._figures = FigureCollector(store)
 
     def collect(self) -> StrataStats | None:

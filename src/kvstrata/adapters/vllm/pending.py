@@ -1,11 +1,17 @@
-"""A vLLM request as the scheduler side tracks it (``Pending``), and which requests are served from
-kvstrata and stored in it (``Admission``).
+"""What the vLLM scheduler side keeps between calls: a request as it tracks it (``Pending``),
+which requests are served from kvstrata and stored in it (``Admission``), and the copy ops of its
+steps (``Ops``).
 
 A request is served only if its keys can be made (``request_keys``: its LoRA adapter's files are
 the ones the engine loaded), and its blocks are stored only while they cannot be of other weights
 than this instance's: not if it was running at this instance's last reset, or if its local prefix
 hit came from vLLM's own cache from before that reset (``resets.LocalCacheGuard``), and not once
 its LoRA adapter's files changed after it was keyed.
+
+Every copy is an op with an id, sent to the workers in the metadata of the step it is planned in
+(``Ops.load``, ``Ops.save``, ``Ops.take``). An op is settled when every rank that copies it has
+reported it (``Ops.report``): a load gives its pin back; a save is committed to the store if no rank
+failed, else aborted.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ import numpy as np
 
 from kvstrata.adapter_versions import AdapterVersions
 from kvstrata.keys import NO_EXTRA, Extra
-from kvstrata.store import Hit
+from kvstrata.store import GroupHit, Hit, Reservation, StoreProtocol
 
+from kvstrata.adapters.vllm.metadata import CopyOp
 from kvstrata.adapters.vllm.request_keys import adapter_unchanged, request_keys
 from kvstrata.adapters.vllm.resets import LocalCacheGuard
+from kvstrata.adapters.vllm.roles import Role
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -47,9 +55,18 @@ class Pending:
     origin: list[str] = field(default_factory=list)  # per block of the hit: the tier it is served from
     learned: bool = False  # the hit's keys were paired with vLLM's block hashes (KV events)
     scheduled: bool = False  # planned in a step already (roles.Consumer)
-    group_hit: Any = None  # a hybrid model's pinned GroupHit, until its load ops take it over
+    group_hit: GroupHit | None = None  # a hybrid model's pinned GroupHit, until its load ops take it over
     group_slots: list[list[int]] = field(default_factory=list)
     loaded: bool = False  # a hybrid model's asynchronous load was handed to the workers
+
+    def taken(self, num_external_tokens: int, block_size: int) -> tuple[list[str], list[int]]:
+        """Per block of the load the request is about to get (``num_external_tokens`` beyond
+        ``local``): the tier it comes from, its tokens."""
+        bs = block_size
+        first = self.local // bs
+        last = -(-(self.local + num_external_tokens) // bs)
+        end = self.local + num_external_tokens
+        return self.origin[first:last], [min(bs, end - i * bs) for i in range(first, last)]
 
 
 class Admission:
@@ -96,3 +113,83 @@ class Admission:
         for st in live:
             st.saves = False
         self.guard.reset(kv_cache_manager)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A copy op the workers are running. Settled when every rank has reported it: a save is
+    committed if no rank failed (else aborted), a load gives its pin back."""
+
+    waiting: set[int]  # ranks that have not reported the op yet
+    req_id: str
+    ok: bool = True
+    reservation: Reservation | None = None  # a save: the slots the ranks are filling
+    hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
+
+
+class Ops:
+    """The load and save ops of the step being planned, and those in flight until every rank that
+    copies them has reported them: a load, every rank (each reads the slots); a save, every rank
+    that writes a part of the slots (``writers``: rank 0 alone for a shared latent)."""
+
+    def __init__(self, store: StoreProtocol, role: Role, ranks: int, writers: frozenset[int]) -> None:
+        self.store = store
+        self.role = role
+        self.ranks = ranks
+        self.writers = writers
+        self._loads: list[CopyOp] = []
+        self._saves: list[CopyOp] = []
+        self._inflight: dict[int, _InFlight] = {}  # op id -> what settles when every rank reports it
+        self._next_op = 1
+
+    def load(self, req_id: str, slots: list[int], block_ids: list[int], *, hit: Hit | None = None,
+             group: int = 0, load_async: bool = False, fail: bool = False) -> None:
+        """A load op of this step: the ranks copy L1 ``slots`` into the engine's ``block_ids``. The
+        op owns the pin of ``hit`` from now on: it goes when every rank has copied the blocks out.
+        ``fail``: the workers copy nothing and report the request failed."""
+        op = CopyOp(self._new_op_id(), req_id, slots, block_ids, group=group, load_async=load_async, fail=fail)
+        self._loads.append(op)
+        if hit is not None:
+            self._track(op, hit=hit)
+
+    def save(self, req_id: str, res: Reservation, block_ids: list[int], *, group: int = 0) -> None:
+        """A save op of this step: the ranks copy the engine's ``block_ids`` into the slots of
+        ``res`` (``block_ids[i]`` into ``res.slots[i]``), published when every writer reported."""
+        op = CopyOp(self._new_op_id(), req_id, res.slots, block_ids, group=group)
+        self._saves.append(op)
+        self._track(op, reservation=res)
+
+    def take(self) -> tuple[list[CopyOp], list[CopyOp]]:
+        """The step's load and save ops, for its metadata; the next step starts with none."""
+        loads, saves = self._loads, self._saves
+        self._loads, self._saves = [], []
+        return loads, saves
+
+    def _new_op_id(self) -> int:
+        self._next_op += 1
+        return self._next_op - 1
+
+    def _track(self, op: CopyOp, *, hit: Hit | None = None, reservation: Reservation | None = None) -> None:
+        """Op ``op`` is sent to every rank: settle it (unpin ``hit``, publish ``reservation``) when
+        every rank that copies it has reported it."""
+        ranks = self.writers if reservation is not None else range(self.ranks)
+        self._inflight[op.op_id] = _InFlight(set(ranks), op.req_id, reservation=reservation, hit=hit)
+        if reservation is not None:
+            self.role.saving(op.req_id, op.op_id)
+
+    def report(self, op_id: int, rank: int, ok: bool) -> None:
+        """Rank ``rank`` finished its part of op ``op_id``; settle the op once every rank has."""
+        op = self._inflight.get(op_id)
+        if op is None:
+            return
+        op.waiting.discard(rank)
+        op.ok = op.ok and ok
+        if op.waiting:
+            return
+        del self._inflight[op_id]
+        if op.hit is not None:
+            self.store.complete_load(op.hit)  # every rank has copied the blocks out of their slots
+        if op.reservation is not None:
+            # Published (visible to lookups from now on) only if every rank copied its shard.
+            self.store.complete_store(op.reservation, op.ok)
+            self.role.settled(op.req_id, op_id)

@@ -1,15 +1,15 @@
 """The scheduler side of the vLLM connector: lookups, load and save plans, and settling ops.
 
-Owns the ``BlockStore`` (index, L1 bookkeeping, disk tier, epochs). Its L1 arena is a file in
-``/dev/shm`` so that workers on this host can map it; once every worker reports its mapping, the
+Owns the store (``open_store``: index, L1 bookkeeping, disk tier, epochs). Its L1 arena is a file
+in ``/dev/shm`` so that workers on this host can map it; once every worker reports its mapping, the
 file is unlinked, so no arena outlives the engine. Lookups answer from the index only; blocks
-found only on disk are first read into L1: inline when small (``l1.stage_inline_bytes``), else in
-the background (the scheduler is told "ask again later" meanwhile), so that every promised block
-is a memory copy away and pinned.
+found only on disk are first read into L1 (``staging.py``): inline when small
+(``l1.stage_inline_bytes``), else in the background (the scheduler is told "ask again later"
+meanwhile), so that every promised block is a memory copy away and pinned.
 
-Every copy is an op with an id, and every rank reports the ops it has finished, keyed by its rank
-(vLLM hands the scheduler the reports of all ranks of a step merged by ``aggregate``). An op is
-settled only when every rank has reported it:
+Every copy is an op with an id (``pending.Ops``), and every rank reports the ops it has finished,
+keyed by its rank (vLLM hands the scheduler the reports of all ranks of a step merged by
+``aggregate``). An op is settled only when every rank has reported it:
 
 - Loads: the lookup pins the hit (validated and pinned under one index lock) and reads its L1
   slots under that pin; the load op keeps the pin until every rank has copied the blocks out, so
@@ -25,16 +25,13 @@ settled only when every rank has reported it:
   block, so a hit covers every stage); the writers of a save, every rank, or TP rank 0 of each
   stage for an MLA latent that every rank holds whole (``slots.SlotPlan``).
 
-Over 300 lines because lookup, staging, save planning and settling all work on one per-request
-state (``Pending``) and one table of in-flight ops; split apart, each would reach into the others.
+Hybrid models (several KV cache groups) take ``hybrid.py``'s paths for lookups, loads and saves.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,17 +39,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.config import load_engine_config
 from kvstrata.keys import BlockChain
-from kvstrata.store import BlockStore, Hit, Reservation, StoreProtocol
+from kvstrata.store import StoreProtocol, open_store
 
 from kvstrata.adapters.vllm.events import KVEvents
 from kvstrata.adapters.vllm.groups import grouped_layouts
 from kvstrata.adapters.vllm.hybrid import HybridPlans
-from kvstrata.adapters.vllm.metadata import ArenaSpec, CopyOp, StrataMetadata, StrataStats, StrataWorkerMetadata
+from kvstrata.adapters.vllm.metadata import ArenaSpec, StrataMetadata, StrataStats, StrataWorkerMetadata
 from kvstrata.adapters.vllm.metrics import StatsCollector
 from kvstrata.adapters.vllm.namespace import namespace_for, new_arena_path
-from kvstrata.adapters.vllm.pending import Admission, Pending
+from kvstrata.adapters.vllm.pending import Admission, Ops, Pending
 from kvstrata.adapters.vllm.roles import make_role
 from kvstrata.adapters.vllm.slots import slot_plan
+from kvstrata.adapters.vllm.staging import Staging
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,18 +69,6 @@ log = logging.getLogger(__name__)
 HIT_SOURCE = {"l1": CacheHitSource.HOST, "l2": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
-@dataclass(slots=True)
-class _InFlight:
-    """A copy op the workers are running. Settled when every rank has reported it: a save is
-    committed if no rank failed (else aborted), a load gives its pin back."""
-
-    waiting: set[int]  # ranks that have not reported the op yet
-    req_id: str
-    ok: bool = True
-    reservation: Reservation | None = None  # a save: the slots the ranks are filling
-    hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
-
-
 class SchedulerSide:
     """The scheduler role of ``StrataConnector``, in EngineCore: see the module docstring."""
 
@@ -96,25 +82,23 @@ class SchedulerSide:
         self.block_size = layouts[0].block_size if layouts else vllm_config.cache_config.block_size
         plan = slot_plan(vllm_config, kv_cache_config, layouts)
         path = new_arena_path()
-        self.store: StoreProtocol = BlockStore(cfg, l1_slot_bytes=plan.slot_bytes, l1_shared_path=path)
+        self.store: StoreProtocol = open_store(cfg, l1_slot_bytes=plan.slot_bytes, l1_shared_path=path)
         self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
         atexit.register(self.store.arena.unlink)  # unlink the arena even if vLLM never calls shutdown
         self.arena = ArenaSpec(path, self.store.arena.num_slots, plan.slot_bytes, plan.rank_bytes,
                                [g.layer_names for g in layouts] if layouts else None, plan.shared, plan.stage_bytes)
-        self._ranks, self._writers = plan.ranks, plan.writers
+        self._ranks = plan.ranks
         self._attached: set[int] = set()  # worker ranks that mapped the arena
-        self._inline_bytes = cfg.l1.stage_inline_bytes
-        self._lock = threading.Lock()  # staging jobs finish on the store's background thread
         self._reqs: dict[str, Pending] = {}
-        self._loads: list[CopyOp] = []
-        self._saves: list[CopyOp] = []
-        self._inflight: dict[int, _InFlight] = {}  # op id -> what settles when every rank reports it
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
-        self._next_op = 1
         self._admission = Admission()  # which requests are served and stored
         self.stats = StatsCollector(self.store)
-        self._hybrid = HybridPlans(self, layouts) if layouts else None
         self.role = make_role(vllm_config, cfg, self.store)  # P/D: producer, consumer or both
+        self._ops = Ops(self.store, self.role, plan.ranks, plan.writers)  # the step's copies and those in flight
+        self._staging = Staging(self.store, self.block_size, plan.slot_bytes, cfg.l1.stage_inline_bytes,
+                                self.role.local_copy)
+        self._hybrid = HybridPlans(self.store, self.ns, self._ops, self.role, plan.slot_bytes, layouts) \
+            if layouts else None
         events_cfg = vllm_config.kv_events_config
         self.events: KVEvents | None = None
         if events_cfg is not None and events_cfg.enable_kv_cache_events:
@@ -137,9 +121,8 @@ class SchedulerSide:
             return 0, False
         if self._hybrid is not None:
             return self._hybrid.match(st, num_computed_tokens)
-        with self._lock:
-            if st.staging:
-                return None, False  # disk blocks are being staged into L1: ask again later
+        if self._staging.busy(st):
+            return None, False  # disk blocks are being staged into L1: ask again later
         self._release(st)
         st.local = num_computed_tokens
         # Validated and pinned under one index lock: a pinned row keeps its block and its L1 slot
@@ -149,7 +132,7 @@ class SchedulerSide:
             st.learned = True
             n_full = sum(1 for n in hit.chain.lengths if n == self.block_size)
             self.events.learn(hit.chain.keys[:n_full], request.block_hashes, 0, st.tokens, hit.tiers)
-        matched, slots = self._resident(st, hit, num_computed_tokens)
+        matched, slots = self._staging.resident(st, hit, num_computed_tokens)
         if not matched:
             self.store.complete_load(hit)
             return matched, False
@@ -158,52 +141,6 @@ class SchedulerSide:
 
     def _may_save(self, st: Pending, req_id: str) -> bool:
         return self._admission.may_save(st, req_id, self.kv_cache_manager, self.block_size)
-
-    def _resident(self, st: Pending, hit: Hit, num_computed_tokens: int) -> tuple[int | None, list[int]]:
-        """Tokens of the pinned ``hit`` beyond ``num_computed_tokens`` that are in L1 now (staging
-        what is not; None while a background staging job runs), and the L1 slots of its blocks."""
-        usable = min(hit.num_tokens, len(st.tokens) - 1)  # the last token is always computed
-        if usable <= num_computed_tokens:
-            return 0, []
-        n_blocks = -(-usable // self.block_size)
-        slots = self.store.arena.slots(hit)[:n_blocks]
-        first = num_computed_tokens // self.block_size
-        if not st.staged:  # where each block comes from, before staging copies it into L1
-            st.origin = self.store.origins(hit)[:n_blocks]
-        if any(s is None for s in slots[first:]) and not st.staged:
-            wanted = hit._replace(chain=BlockChain(*(part[:n_blocks] for part in hit.chain)),
-                                  tiers=hit.tiers[:n_blocks], lease=None)
-            if not self._stage(st, wanted, first):
-                return None, []
-            slots = self.store.arena.slots(hit)[:n_blocks]  # staged rows are the pinned ones
-        resident = first
-        while resident < n_blocks and slots[resident] is not None:
-            resident += 1
-        usable = min(usable, resident * self.block_size, sum(hit.chain.lengths[:resident]))
-        if usable <= num_computed_tokens:
-            return 0, []
-        return usable - num_computed_tokens, slots[:resident]  # type: ignore[return-value]
-
-    def _stage(self, st: Pending, hit: Hit, first: int) -> bool:
-        """Bring the hit's blocks into L1. Returns True when done inline (small hits): the caller
-        can promise them now; False when a background job was started (ask again later)."""
-        missing = sum(1 for s in self.store.arena.slots(hit)[first:] if s is None)
-        if missing * self.arena.slot_bytes <= self._inline_bytes:
-            # Inline: a background thread would fight this busy scheduler loop for the GIL.
-            self.store.stage(hit, local_copy=self.role.local_copy)
-            st.staged = True
-            return True
-
-        def staged(n: int | None) -> None:  # None: the job raised; the request must not wait forever
-            with self._lock:
-                st.staging, st.staged = False, True
-
-        with self._lock:
-            st.staging = True
-        if not self.store.stage_later(hit, staged, local_copy=self.role.local_copy):
-            with self._lock:
-                st.staging, st.staged = False, True  # queue full: serve what L1 has
-        return False
 
     def _release(self, st: Pending) -> None:
         """Give back the pin of the request's last lookup (not handed to a load op)."""
@@ -216,17 +153,9 @@ class SchedulerSide:
         if not num_external_tokens or st is None:
             return {}
         out: dict[CacheHitSource, int] = {}
-        for tier, tokens in zip(*self._served(st, num_external_tokens)):
+        for tier, tokens in zip(*st.taken(num_external_tokens, self.block_size)):
             out[HIT_SOURCE[tier]] = out.get(HIT_SOURCE[tier], 0) + tokens
         return out
-
-    def _served(self, st: Pending, num_external_tokens: int) -> tuple[list[str], list[int]]:
-        """Per block of the load the request is about to get: the tier it comes from, its tokens."""
-        bs = self.block_size
-        first = st.local // bs
-        last = -(-(st.local + num_external_tokens) // bs)
-        end = st.local + num_external_tokens
-        return st.origin[first:last], [min(bs, end - i * bs) for i in range(first, last)]
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -241,25 +170,10 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()[0]
         first = st.local // self.block_size
         last = -(-(st.local + num_external_tokens) // self.block_size)
-        op = CopyOp(self._new_op_id(), request.request_id, st.slots[first:last], list(block_ids[first:last]))
-        self._loads.append(op)
         # The load op owns the pin now: it goes when every rank has copied the blocks out.
-        self._track(op, hit=st.hit)
+        self._ops.load(request.request_id, st.slots[first:last], list(block_ids[first:last]), hit=st.hit)
         st.hit, st.slots = None, []
-        self.store.count_served(*self._served(st, num_external_tokens))  # the workers copy out of L1
-
-    def _new_op_id(self) -> int:
-        self._next_op += 1
-        return self._next_op - 1
-
-    def _track(self, op: CopyOp, *, hit: Hit | None = None, reservation: Reservation | None = None) -> None:
-        """Op ``op`` is sent to every rank: settle it (unpin ``hit``, publish ``reservation``) when
-        every rank that copies it has reported it: a load, every rank (each reads the slots); a
-        save, every rank that writes a part of the slots (rank 0 alone for a shared latent)."""
-        ranks = self._writers if reservation is not None else range(self._ranks)
-        self._inflight[op.op_id] = _InFlight(set(ranks), op.req_id, reservation=reservation, hit=hit)
-        if reservation is not None:
-            self.role.saving(op.req_id, op.op_id)
+        self.store.count_served(*st.taken(num_external_tokens, self.block_size))  # the workers copy out of L1
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StrataMetadata:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -270,11 +184,10 @@ class SchedulerSide:
             if not self._may_save(st, req_id):
                 continue
             if self._hybrid is not None:
-                self._hybrid.plan_saves(req_id, st, n, scheduler_output)
+                self._hybrid.plan_saves(req_id, st, n, scheduler_output, self.kv_cache_manager)
             else:
                 self._plan_saves(req_id, st, n)
-        meta = StrataMetadata(self.arena, self._loads, self._saves, self.role.take_sent())
-        self._loads, self._saves = [], []
+        meta = StrataMetadata(self.arena, *self._ops.take(), self.role.take_sent())
         self._admission.new_step()
         return meta
 
@@ -315,10 +228,7 @@ class SchedulerSide:
             raise RuntimeError("kvstrata: bind_kv_cache_manager() was not called before scheduling")
         block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
         position = {key: i for i, key in enumerate(todo.keys)}
-        ids = [block_ids[where[position[m.key]]] for m in res.metas]
-        op = CopyOp(self._new_op_id(), req_id, res.slots, ids)
-        self._saves.append(op)
-        self._track(op, reservation=res)
+        self._ops.save(req_id, res, [block_ids[where[position[m.key]]] for m in res.metas])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Everything computed was saved in the step that computed it, except the partial block at
@@ -352,24 +262,7 @@ class SchedulerSide:
         for reports, ok in ((meta.failed, False), (meta.saved, True), (meta.loaded, True)):
             for rank, op_ids in reports.items():
                 for op_id in op_ids:
-                    self._report(op_id, rank, ok)
-
-    def _report(self, op_id: int, rank: int, ok: bool) -> None:
-        """Rank ``rank`` finished its part of op ``op_id``; settle the op once every rank has."""
-        op = self._inflight.get(op_id)
-        if op is None:
-            return
-        op.waiting.discard(rank)
-        op.ok = op.ok and ok
-        if op.waiting:
-            return
-        del self._inflight[op_id]
-        if op.hit is not None:
-            self.store.complete_load(op.hit)  # every rank has copied the blocks out of their slots
-        if op.reservation is not None:
-            # Published (visible to lookups from now on) only if every rank copied its shard.
-            self.store.complete_store(op.reservation, op.ok)
-            self.role.settled(op.req_id, op_id)
+                    self._ops.report(op_id, rank, ok)
 
     # -- control and stats
     def reset_cache(self) -> bool:
@@ -385,7 +278,7 @@ class SchedulerSide:
         ``resets.LocalCacheGuard``)."""
         self._admission.reset(self._reqs.values(), self.kv_cache_manager)
         # An engine reset, not an operator's flush: the other instances sharing the store serve and
-        # save nothing of the namespace until they reset too (joins.py); the store logs either way.
+        # save nothing of the namespace until they reset too (epochs/joins.py); the store logs either way.
         return self.store.reset(self.ns.seed) is not None
 
     def get_kv_connector_stats(self) -> StrataStats | None:

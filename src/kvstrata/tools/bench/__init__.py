@@ -1,2 +1,4 @@
-"""``kvstrata bench``: one module per benchmark (``store``, ``remote``, ``ttft``, ``decode``,
-``identity``; ``serve`` with its workload and engines), each beside the baselines it is read against."""
+"""``kvstrata bench``: one module per benchmark (``store`` with ``store_lookup`` and ``store_scale``,
+``copy``, ``decode``, ``identity``), each beside the baselines it is read against. The comparative
+benchmarks (ttft, serve, remote, SGLang's file backend) are the repository's, not the package's:
+``python -m benchmarks``."""

@@ -200,11 +200,6 @@ def run(quick: bool = False, progress: bool = True, scale: int | None = None) ->
             from kvstrata.tools.bench.store_scale import scale_fields
 
             out.update(scale_fields(scale, tmp, progress))
-        if progress:
-            print("  SGLang file backend beside StrataStorage ...", flush=True)
-        from benchmarks.store_sglang import sglang_fields  # in SGLang's environment when not importable here
-
-        out.update(sglang_fields(quick))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out["ratios"] = _ratios(out)

@@ -43,8 +43,8 @@ The run exits 1 if a block was wrong or stale or a pinned tail was lost. ``Retir
 
 The package: ``world`` (the tiny store, namespaces, rates, prompt universe), ``oracle`` (payloads,
 expected keys, the retired-epoch log), ``actor`` (one thread's saves, loads and chaos),
-``worker`` (a worker process), ``fleet`` (the parent's processes and the summary); here, the run
-and its flags.
+``worker`` (a worker process), ``shared`` (what an actor sees of its worker), ``fleet`` (the
+parent's processes and the summary); here, the run and its flags.
 """
 
 from __future__ import annotations

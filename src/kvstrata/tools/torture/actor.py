@@ -9,7 +9,7 @@ import os
 import random
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -18,10 +18,8 @@ from kvstrata.epochs.base import parse_epoch
 from kvstrata.keys import Namespace, as_tokens
 
 from kvstrata.tools.torture.oracle import check_load, payloads_of
+from kvstrata.tools.torture.shared import Worker
 from kvstrata.tools.torture.world import BLOCK_TOKENS, L2_BLOCKS, NAMESPACES, PAYLOAD_BYTES, RATES, SENTINEL, VOCAB
-
-if TYPE_CHECKING:
-    from kvstrata.tools.torture.worker import Worker
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""tools/netfault.py: ``FaultyProxy``, a loopback TCP proxy that makes a service slow, hung or gone
+"""tools/torture/faults.py: ``FaultyProxy``, a loopback TCP proxy that makes a service slow, hung or gone
 on demand, for ``kvstrata torture --net-faults`` and the tests of a faulty shared tier.
 
 Modes (``MODES``), switched at any time from any thread (``set_mode``) or cycled at random
@@ -58,7 +58,7 @@ class FaultyProxy:
         netloc = f"{netloc}@127.0.0.1:{self.port}" if netloc else f"127.0.0.1:{self.port}"
         self.url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstrata-netfault", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstrata-faults", daemon=True)
         self._thread.start()
         self._call(self._listen())
 
@@ -79,7 +79,7 @@ class FaultyProxy:
             self._call(self._refuse())
         elif previous == "refuse" and mode != "refuse":
             self._call(self._listen())
-        log.debug("netfault: %s -> %s", previous, mode)
+        log.debug("fault proxy: %s -> %s", previous, mode)
 
     def seconds_in(self) -> dict[str, float]:
         """Seconds spent in each mode so far."""
@@ -100,7 +100,7 @@ class FaultyProxy:
                 self.set_mode(order[i % len(order)])
                 i += 1
 
-        self._cycler = threading.Thread(target=cycle, name="kvstrata-netfault-cycle", daemon=True)
+        self._cycler = threading.Thread(target=cycle, name="kvstrata-faults-cycle", daemon=True)
         self._cycler.start()
 
     def close(self) -> None:

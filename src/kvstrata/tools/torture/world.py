@@ -15,7 +15,7 @@ from kvstrata.keys import Namespace, as_tokens
 
 BLOCK_TOKENS = 4
 PAYLOAD_BYTES = 512  # a multiple of the 16-byte key
-HEADER_BYTES = 128  # per block file and Redis value (blockfmt)
+HEADER_BYTES = 128  # per block file and Redis value (format/block.py)
 L1_BLOCKS = 12
 L2_BLOCKS = 32
 VOCAB = 4  # small, so that prompts share blocks and sibling tails are common

@@ -3,7 +3,7 @@
 That build is not on PyPI. With ``SGLANG_USE_CPU_ENGINE=1`` SGLang imports two ops from it on the
 default path; they are written here with torch indexing. Any other name imports (SGLang probes
 for optional kernels at import time) but raises ``NotImplementedError`` when called, so SGLang's
-native torch layers run instead. Put on the server's ``PYTHONPATH`` by the tests' SGLang launcher (``tests/engines/conftest.py``).
+native torch layers run instead. Put on the server's ``PYTHONPATH`` by the tests' SGLang launcher (``tests/engines/launchers.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,224 @@
+"""``python -m benchmarks serve``: the trace-to-requests mapping and the replay's ordering, with no engine
+(the real run on vLLM: tests/engines/test_bench_serve.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstrata.tools import serving
+from benchmarks import serve
+from benchmarks.serve_engines import Result
+from benchmarks.serve_workload import Scaling, block_tokens, build_turns, select, simulate_reference
+from kvstrata.tools.trace import Request, load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "src" / "kvstrata" / "tools" / "data" / "conversation_sample.jsonl"
+ALLOWED = np.arange(10, 3000)
+
+
+def req(ts: int, ids: tuple[int, ...], inp: int | None = None, out: int = 100) -> Request:
+    return Request(ts, inp if inp is not None else 512 * len(ids), out, ids)
+
+
+def test_same_hash_id_gives_same_tokens_and_different_ids_differ():
+    a, b = block_tokens(7, 64, ALLOWED), block_tokens(7, 64, ALLOWED)
+    assert np.array_equal(a, b) and len(a) == 64
+    assert not np.array_equal(a, block_tokens(8, 64, ALLOWED))
+    assert set(a.tolist()) <= set(ALLOWED.tolist())
+
+
+def test_prompts_share_exactly_their_common_hash_prefix():
+    turns = build_turns([req(0, (1, 2, 3)), req(5, (1, 2, 4, 5)), req(9, (9, 2, 3))], Scaling(64), ALLOWED)
+    p0, p1, p2 = (t.prompt for t in turns)
+    assert p0[:128] == p1[:128] and p0[128:192] != p1[128:192]
+    assert p0[:64] != p2[:64] and p0[64:192] == p2[64:192]  # same ids at another position: same tokens
+    assert [t.session for t in turns] == [0, 0, 1]
+    assert turns[1].arrival_s == 0.005
+
+
+def test_lengths_are_scaled_by_block_tokens_and_capped():
+    s = Scaling(block_tokens=64, max_prompt=200, max_output=10)
+    turns = build_turns([req(0, (1, 2), inp=1000, out=40), req(0, (3, 4, 5, 6, 7), inp=2500, out=400)], s, ALLOWED)
+    assert len(turns[0].prompt) == 125 and turns[0].max_tokens == 5  # 1000/8, 40/8
+    assert len(turns[1].prompt) == 200 and turns[1].max_tokens == 10  # capped
+    assert turns[0].hash_ids == (1,) and turns[1].hash_ids == (3, 4, 5)  # full blocks only
+    assert len(build_turns([req(0, (1, 2), inp=1000)], Scaling(32), ALLOWED)[0].prompt) == 62
+
+
+def test_sampled_conversations_are_whole_ordered_and_seeded():
+    trace = load_trace(SAMPLE)
+    picked = select(trace, 3, None, 0, seed=0)
+    sessions = {r.session for r in picked}
+    assert len(sessions) == 3
+    assert picked == [r for r in trace if r.session in sessions]  # every turn, in trace order
+    assert all(sum(r.session == s for r in picked) >= 2 for s in sessions)  # multi-turn only
+    assert select(trace, 3, None, 0, seed=0) == picked
+    assert any(select(trace, 3, None, 0, seed=s) != picked for s in (1, 2, 3))
+    assert select(trace, None, 5, 10) == trace[10:15]
+
+
+def test_simulate_reference_counts_full_blocks_served_by_an_unbounded_cache():
+    turns = build_turns([req(0, (1, 2)), req(1, (1, 2, 3)), req(2, (4,))], Scaling(64), ALLOWED)
+    # 128 + 192 + 64 prompt tokens; the second request finds blocks 1 and 2 (128 tokens)
+    assert simulate_reference(turns, 64) == pytest.approx(128 / 384)
+
+
+class FakeEndpoint:
+    """Records overlap: no conversation may have two turns in flight (the replay's coroutines
+    share one event loop, as with a real endpoint)."""
+
+    def __init__(self, fail: set[int] = frozenset()) -> None:
+        self.inflight, self.peak, self.order = set(), 0, []
+        self.fail = fail
+
+    def session(self) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    async def send(self, http: object, prompt: list[int], max_tokens: int) -> Result:
+        key = prompt[0]
+        assert key not in self.inflight, "two turns of one conversation in flight"
+        self.inflight.add(key)
+        self.peak = max(self.peak, len(self.inflight))
+        self.order.append((key, len(prompt)))
+        await asyncio.sleep(0.01)
+        self.inflight.discard(key)
+        if len(prompt) in self.fail:
+            raise OSError("boom")
+        return Result(1.0, 2.0, max_tokens, {"total": 0})
+
+
+def _conversations(n: int, turns: int) -> list:
+    # conversation c: ids (c+1, 500+c, ...), so its turns share their first two ids
+    reqs = [req(t * 10 + c, (c + 1, 500 + c, *range(1000 + 100 * c, 1000 + 100 * c + t + 1)), inp=512 * (t + 3))
+            for t in range(turns) for c in range(n)]
+    return build_turns(sorted(reqs), Scaling(64), ALLOWED)
+
+
+def test_concurrency_replay_keeps_each_conversation_in_order_and_one_turn_at_a_time():
+    turns = _conversations(6, 3)
+    ep = FakeEndpoint()
+    rec = serve.replay_concurrency(ep, turns, 4, lambda: None)
+    assert len(rec.results) == len(turns) and not rec.errors  # the fake raises on an overlap
+    assert len({t.session for t in turns}) == 6 and 1 < ep.peak <= 4
+    for key in {t.prompt[0] for t in turns}:
+        lengths = [n for k, n in ep.order if k == key]  # turn t of a conversation is the longest yet
+        assert len(lengths) == 3 and lengths == sorted(lengths)
+
+
+def test_a_failed_request_is_counted_and_the_replay_goes_on():
+    turns = _conversations(3, 2)
+    rec = serve.replay_concurrency(FakeEndpoint(fail={len(turns[0].prompt)}), turns, 2, lambda: None)
+    assert rec.errors and len(rec.errors) + len(rec.results) == len(turns)
+    row = serve.summarize("baseline", 2, rec, 1.0, {})
+    assert row["errors"] == len(rec.errors) and row["throughput_req_s"] == len(rec.results)
+
+
+def test_recompute_bound_target_compares_throughput_with_what_hits_alone_allow():
+    def row(config: str, req_s: float, recomputed: int) -> dict:
+        return {"config": config, "concurrency": 8, "throughput_req_s": req_s, "ttft_p50_ms": 100.0,
+                "hit_rate": 0.5, "tokens_recomputed": recomputed}
+
+    def bound_check(ours_req_s: float) -> dict:
+        checks = serve.ratios([row("baseline", 1.0, 30_000), row("strata-l1l2", ours_req_s, 20_000)], 0.5)
+        return next(c for c in checks if c["target"].startswith("throughput vs baseline / recompute bound"))
+
+    at_bound = bound_check(1.5)  # recomputing 2/3 of the baseline's tokens allows at most 1.5x
+    assert at_bound["target"].endswith("(1.500)") and at_bound["value"] == 1.0 and at_bound["met"]
+    short = bound_check(1.35)
+    assert short["value"] == 0.9 and not short["met"]
+
+
+def test_decode_aware_bound_keeps_the_decode_only_time_fixed():
+    base = {"config": "baseline", "concurrency": 8, "throughput_req_s": 1.0, "ttft_p50_ms": 100.0,
+            "hit_rate": 0.2, "tokens_recomputed": 30_000, "wall_s": 100.0, "prompt_wait_s": 60.0}
+    ours = dict(base, config="strata-l1l2", tokens_recomputed=20_000, hit_rate=0.5)
+    # 60 s with a prompt waiting shrink to 40 s, 40 s of decode only stay: 100 / 80 = 1.25x at most
+    for req_s, value in ((1.25, 1.0), (1.125, 0.9)):
+        checks = serve.ratios([base, dict(ours, throughput_req_s=req_s)], 0.5)
+        c = next(c for c in checks if "decode-only time fixed" in c["target"])
+        assert c["target"].startswith("throughput vs baseline / recompute bound, decode-only time fixed (1.250;")
+        assert c["value"] == value and c["met"] == (value >= 0.95)
+
+
+def test_hicache_is_a_reference_row_and_a_target_for_kvstrata():
+    def row(config: str, req_s: float, recomputed: int) -> dict:
+        return {"config": config, "concurrency": 16, "throughput_req_s": req_s, "ttft_p50_ms": 100.0,
+                "hit_rate": 0.5, "tokens_recomputed": recomputed}
+
+    for ours, met in ((0.96, True), (0.9, False)):  # against SGLang's host pool alone at 1.2 req/s
+        checks = serve.ratios([row("baseline", 1.0, 30_000), row("hicache", 1.2, 20_000),
+                               row("strata-l1l2", ours * 1.2, 20_000)], 0.5)
+        ref = [c for c in checks if c["config"] == "hicache"]
+        assert [c["target"] for c in ref] == ["throughput vs baseline / recompute bound (1.500)"]
+        assert ref[0]["value"] == 0.8 and ref[0]["met"] is None  # reported, never judged
+        vs = next(c for c in checks if c["target"].startswith("throughput vs hicache"))
+        assert vs["config"] == "strata-l1l2" and vs["value"] == round(ours, 3) and vs["met"] is met
+
+
+def test_hicache_config_is_refused_for_vllm():
+    args = argparse.Namespace(configs="baseline,hicache", engine="vllm", redis_url=None)
+    with pytest.raises(SystemExit, match="hicache runs with SGLang only"):
+        serve._configs(args)
+    assert serve._configs(argparse.Namespace(configs="strata-l1l2,hicache,baseline", engine="sglang",
+                                             redis_url=None)) == ["baseline", "hicache", "strata-l1l2"]
+
+
+def test_prompt_wait_is_the_union_of_the_times_before_first_tokens():
+    turns = build_turns([req(0, (1,)), req(1, (2,)), req(2, (3,))], Scaling(64), ALLOWED)
+    rec = serve.Record(turns)
+    for i, (start, ttft) in enumerate(((0.0, 2000), (1.0, 2000), (5.0, 500))):
+        rec.started[i] = start
+        rec.results[i] = Result(ttft, ttft + 100, 4, {})
+    assert serve.prompt_wait_s(rec) == pytest.approx(3.5)  # [0, 3] and [5, 5.5]
+
+
+def test_timestamp_replay_sends_on_scaled_trace_time():
+    turns = build_turns([req(0, (1,)), req(400, (2,))], Scaling(64), ALLOWED)
+    ep = FakeEndpoint()
+    start = time.monotonic()
+    rec = serve.replay_timestamps(ep, turns, 0.5, lambda: None)
+    assert len(rec.results) == 2 and rec.started[1] >= 0.19 and time.monotonic() - start < 5
+
+
+def test_free_port_is_below_the_ephemeral_range_and_free():
+    """Engine servers bind ephemeral ports of their own (torch.distributed, gloo) while they
+    start: a port picked with bind(0) can be taken by one of them before the HTTP server binds it."""
+    low = serving._ephemeral_range()[0]
+    for _ in range(20):
+        port = serving.free_port()
+        assert port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_disagg_configs_and_their_comparisons():
+    """``--disagg``: the P/D pair beside one kv_both server and one without a connector; its rows
+    compare throughput and TTFT with both (no bound) and judge the decode server's loaded share."""
+    args = argparse.Namespace(configs=None, engine="vllm", redis_url=None, disagg=True)
+    assert serve._configs(args) == ["baseline", "strata-remote", "disagg"]
+    with pytest.raises(SystemExit, match="disagg runs with vLLM only"):
+        serve._configs(argparse.Namespace(configs="baseline,disagg", engine="sglang", redis_url=None))
+
+    def row(config: str, req_s: float, p50: float, tiers: dict) -> dict:
+        return {"config": config, "concurrency": 8, "throughput_req_s": req_s, "ttft_p50_ms": p50,
+                "ttft_p90_ms": 2 * p50, "hit_rate": 0.5, "tokens_recomputed": 50, "prompt_tokens": 1000,
+                "tokens_per_tier": tiers, "whole_prompt_hits": 0.9}
+
+    checks = serve.ratios([row("baseline", 1.0, 400.0, {}), row("strata-remote", 1.5, 200.0, {"external_unspecified": 500}),
+                           row("disagg", 1.2, 100.0, {"external_unspecified": 900, "device": 50})], 0.5)
+    pd = {c["target"]: c for c in checks if c["config"] == "disagg"}
+    assert pd["throughput vs baseline"]["value"] == 1.2 and pd["throughput vs strata-remote"]["value"] == 0.8
+    assert pd["TTFT p50 vs baseline"]["value"] == 0.25 and pd["TTFT p90 vs strata-remote"]["value"] == 0.5
+    assert all(c["met"] is None and c["bound"] is None for t, c in pd.items() if t.startswith(("throughput", "TTFT")))
+    assert pd["prompt tokens the decode server loaded"]["value"] == 0.9  # device hits are vLLM's own
+    assert pd["prompt tokens the decode server computed"]["value"] == 0.05
+    whole = pd["decode legs that computed only the prompt's last token"]
+    assert whole["value"] == 0.9 and whole["bound"] == 0.95 and whole["met"] is False
