@@ -31,6 +31,7 @@ JSON_HELP = "print one JSON object instead of tables (for scripts; keys are kept
 # Subcommands a tool module implements whole: ``add_arguments(parser)`` and ``run(args) -> exit code``.
 TOOLS = {"bench decode": "kvstrata.tools.bench.decode",
          "bench identity": "kvstrata.tools.bench.identity", "bench copy": "kvstrata.tools.bench.copy",
+         "bench verify": "kvstrata.tools.bench.verify",
          "estimate": "kvstrata.tools.estimate",
          "torture": "kvstrata.tools.torture"}
 
@@ -286,7 +287,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                   "with the tier, about 400 bytes per block on the disk tier (the index's ~200, plus the "
                   "scan's; 390 MB measured at 1M blocks). "
                   "`kvstrata check` streams instead, in a memory that does not grow with the tier.")
-    benches = add(sub, "bench", "benchmarks: store, copy, decode, identity (the comparative ones: python -m benchmarks)")
+    benches = add(sub, "bench", "benchmarks: store, copy, decode, identity, verify (the comparative ones: python -m benchmarks)")
     bench = benches.add_subparsers(dest="sub", required=True)
     bs = add(bench, "bench store", "store micro-benchmark against raw baselines")
     bs.add_argument("--quick", action="store_true", help="finish in under 30 s")
@@ -299,6 +300,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     add(bench, "bench copy", "block copies between the KV cache and L1 beside one contiguous copy (CUDA or CPU)")
     add(bench, "bench decode", "decode throughput with a slow disk tier, beside no connector")
     add(bench, "bench identity", "model identity cost at start: cold and cached")
+    add(bench, "bench verify", "calibrate verified hits: honest recomputations beside other prompts, weights, layers")
     sm = add(sub, "simulate", "capacity planning: a trace through the real index and LRU")
     sm.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
     sm.add_argument("--l1", required=True, help="CPU tier size, e.g. 64GiB")
