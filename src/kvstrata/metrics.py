@@ -56,6 +56,8 @@ class MetricDef(NamedTuple):
         return [(self.source.format(tier=t, kind=k), tuple(v for v in (t, k) if v)) for t in tiers for k in kinds]
 
 
+# the relative error of a verified block: honest recomputations lie below 1e-3 (float32) to 5e-2 (fp8)
+_ERROR_BUCKETS = (1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 5e-2, 7e-2, 0.1, 0.3, 1.0, 2.0)
 _LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 METRICS: tuple[MetricDef, ...] = (
@@ -97,6 +99,15 @@ METRICS: tuple[MetricDef, ...] = (
               "call succeeded): while breaker_trips exceeds it, the tier is skipped.", "{tier}_circuit_closed"),
     MetricDef("resident_bytes", "gauge", "Bytes a tier holds now.", "{tier}_resident_bytes"),
     MetricDef("resident_blocks", "gauge", "Blocks a tier holds now.", "{tier}_resident_blocks"),
+    MetricDef("verify_checks", "counter", "Stored blocks compared with the engine's own computation of their key "
+              "(verified hits, verify.sample_rate), by the tier the stored block was read from.", "verify_checks_{tier}"),
+    MetricDef("verify_mismatches", "counter", "Verified blocks that differed from the engine's computation beyond the "
+              "tolerance of their KV dtype: each was deleted from every tier and logged at ERROR.",
+              "verify_mismatches_{tier}"),
+    MetricDef("verify_error", "histogram", "The worst relative L2 error of a layer of each verified block (0: equal; "
+              "about 1.4: unrelated KV).", "verify_error", _ERROR_BUCKETS),
+    MetricDef("quarantined_misses", "counter", "Lookups that missed because a verified mismatch quarantined the "
+              "namespace here (verify.on_mismatch: quarantine) until its epoch changes.", "quarantined_misses"),
     MetricDef("lookup_seconds", "histogram", "Time of one lookup call (all blocks of a prompt).",
               "lookup_seconds", _LATENCY_BUCKETS),
     MetricDef("load_seconds", "histogram", "Time of one load call, by the tier read.", "load_seconds_{tier}",

@@ -106,3 +106,13 @@ def test_batched_errors_equal_one_segment_at_a_time(layers, n, seed, gap):
         x, y = a[i * (n + gap): i * (n + gap) + n].double(), b[i * (n + gap): i * (n + gap) + n].double()
         want = float((x - y).norm() / max(x.norm(), y.norm()))
         assert float(batched[i]) == pytest.approx(float(one)) == pytest.approx(want)
+
+
+def test_a_block_that_is_a_row_of_a_larger_tensor():
+    """An L1 arena row is a view at an offset into the arena's storage: the segments are read from
+    the row, not from the start of the storage."""
+    arena = torch.randn(4, 64).view(torch.uint8)
+    row = arena[2]
+    segments = segments_of(256, 4, torch.float32)
+    assert compare(row.clone(), row, segments).error == 0
+    assert compare(arena[1].clone(), row, segments).error > 0.5

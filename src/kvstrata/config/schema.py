@@ -197,6 +197,34 @@ class SaveConfig(_Model):
     keeps no disk copy of the blocks it loads from the shared tier; ``all`` stores as ``kv_both``."""
 
 
+KV_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # ``verify.tolerances`` keys
+
+
+class VerifyConfig(_Model):
+    """The ``verify:`` section: verified hits (``kvstrata.verify``). A sampled request that would
+    hit is computed by the engine instead, and the blocks it computes are compared with the stored
+    blocks of the same keys; a block that differs is deleted (docs/consistency.md "Verified hits")."""
+
+    sample_rate: float = Field(0.001, ge=0, le=1)
+    """Fraction of the requests with a hit that are verified (0: never). A verified request costs
+    its hit (the engine recomputes the prefix), never a wrong answer."""
+    on_mismatch: Literal["delete", "quarantine"] = "delete"
+    """``delete``: the mismatching block is deleted from every tier and counted, the namespace goes
+    on serving. ``quarantine``: also, this instance serves nothing of the namespace until its
+    epoch changes (``kvstrata invalidate``, an engine reset) or the engine restarts."""
+    tolerances: dict[Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"], float] = {}
+    """Per KV dtype, the largest relative L2 error of a layer's part of a block that still counts
+    as equal (overrides the calibrated defaults, ``verify.compare.TOLERANCES``)."""
+
+    @field_validator("tolerances")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: t for k, t in v.items() if not 0 < t < 2}
+        if bad:
+            raise ValueError(f"tolerances must lie in (0, 2) (2 is the error of opposite blocks): {bad}")
+        return v
+
+
 class TestingConfig(_Model):
     """The ``testing:`` section: settings that exist for kvstrata's own tests and benchmarks."""
 
@@ -230,6 +258,7 @@ class StrataConfig(_Model):
     within this long (a read renews its file's mtime). An index pin held longer than this is
     logged as overdue, and kept: a pin lasts until its holder gives it back or is gone (its lease
     dropped, its process ended), never a deadline that could run out under an engine's copy."""
+    verify: VerifyConfig = VerifyConfig()
     testing: TestingConfig = TestingConfig()
 
     @property

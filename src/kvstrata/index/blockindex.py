@@ -17,6 +17,8 @@ Primitives:
   a row verifies its key, so a stale row number can never serve another block.
 - ``lru_victims(tier, n)``: the least recently used unpinned rows of a tier.
 - ``claim(key, tier)`` / ``drop_tier(key, tier)``: evict a block from a tier, or note that the tier lost its copy; the entry goes when no tier holds it.
+- ``retire(key)``: hide a block from every lookup at once, pinned or not (a verified mismatch): its
+  entry validates under no epoch any more; the caller deletes its copies.
 
 Pins (``pins.py``: who holds them, and when they end): a held pin has no deadline; a pin whose
 holder dropped its ``Lease`` is released at the index's next pin, claim or victim pick.
@@ -34,6 +36,8 @@ import numpy as np
 from kvstrata.keys import BlockChain
 from kvstrata.index.pins import Lease, PinCensus, Pins
 from kvstrata.index.table import RECENT, EntryMeta, Table
+
+RETIRED = 0  # the epoch of a retired entry: ``new_epoch`` never makes 0 (its low bits are non-zero)
 
 
 class Census(NamedTuple):
@@ -206,6 +210,19 @@ class BlockIndex(Table):
             if not self._tiers[row]:
                 self._remove(row)
             return True
+
+    def retire(self, key: bytes) -> tuple[EntryMeta, int] | None:
+        """Hide block ``key`` from every lookup and ``valid_mask`` now, pinned or not: its entry
+        takes epoch ``RETIRED``, which no namespace epoch is (``epochs.base.new_epoch``), so gc
+        sees it as stale. Returns its meta as it was and its tier bits (the caller deletes the
+        copies: ``claim``/``drop_tier``), or None if it is not indexed."""
+        with self._lock:
+            row = self._row_of(key)
+            if row < 0:
+                return None
+            meta, bits = self._meta(row), int(self._tiers[row])
+            self._epoch[row] = RETIRED
+            return meta, bits
 
     def drop_tier(self, key: bytes, tier_bit: int) -> None:
         """The tier no longer holds block ``key``; forget the entry when no tier does."""

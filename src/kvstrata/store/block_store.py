@@ -33,11 +33,12 @@ import torch
 from kvstrata.config import StrataConfig
 from kvstrata.epochs.base import EpochStore
 from kvstrata.index import BlockIndex
-from kvstrata.keys import NO_EXTRA, BlockChain, Extra, KeyScheme, Namespace, as_tokens, extra_at
+from kvstrata.keys import NO_EXTRA, BlockChain, Extra, Namespace
 from kvstrata.metrics import Counters, TierListener
 from kvstrata.tiers import BlockTier, DiskTier, MemoryTier
 from kvstrata.tiers.disk import IOV_MAX
 from kvstrata.store.evict import Evictor
+from kvstrata.store.keying import KeyMethods
 from kvstrata.store.groups import GroupLookup
 from kvstrata.store.load import Loader
 from kvstrata.store.lookup import Lookup
@@ -47,12 +48,14 @@ from kvstrata.store.bumps import Bumps
 from kvstrata.store.recovery import Recovery
 from kvstrata.store.scopes import Scopes
 from kvstrata.store.protocol import Arena, ByteRuns, GroupHit, GroupRule, Hit, Reservation, StoreFigures
+from kvstrata.verify.compare import Comparison, Segment
+from kvstrata.store.verify import Verifier
 from kvstrata.store.write import Payloads, Writer
 
 log = logging.getLogger(__name__)
 
 
-class BlockStore:
+class BlockStore(KeyMethods):
     """The store protocol (``protocol.StoreProtocol``) over one index, L1 and the backing tiers.
 
     Every key is computed with the store's key scheme (``keys``, from ``keys.hash``), and every
@@ -73,6 +76,7 @@ class BlockStore:
         self._arena = Arena(self._parts.l1)
         self._scopes = Scopes(self._parts.keys.name)
         self._bumps = Bumps(self._parts, self._evictor)
+        self._verifier = Verifier(self._parts, self._evictor)
         if self._parts.recovery is not None:
             self._parts.recovery.start(then=self._evictor.after_recovery)
 
@@ -118,48 +122,6 @@ class BlockStore:
     def recovery(self) -> Recovery | None:
         """L2's background recovery (None without L2), for the CLI's progress."""
         return self._parts.recovery
-
-    # ------------------------------------------------------------------ keys
-    @property
-    def keys(self) -> KeyScheme:
-        """The key scheme every key of this store is computed with (``keys.hash``, keyed by the
-        deployment secret where one is set), for tools and tests that key blocks the store holds."""
-        return self._parts.keys
-
-    def chain(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
-              *, partial: bool = True) -> tuple[int, BlockChain]:
-        """Current epoch and the chained keys of ``tokens`` (full blocks, then the partial tail)."""
-        return self._lookups.chain(self._scopes.own(ns), tokens, extra, partial=partial)
-
-    def tail_block(self, ns: Namespace, epoch: int, parent: bytes | None, tokens: Sequence[int] | np.ndarray,
-                   extra: Extra = NO_EXTRA, *, start: int = 0) -> BlockChain:
-        """The chain of one partial block: ``tokens`` (fewer than a block, from token ``start`` of
-        the prompt) after the block ``parent`` (None: at the start of the prompt, under the root of
-        ``epoch``)."""
-        keys = self._parts.keys
-        parent = keys.root_key(self._scopes.own(ns).seed, epoch) if parent is None else parent
-        key, fp = keys.block_key(parent, as_tokens(tokens), extra_at(extra, start, start + len(tokens)))
-        return BlockChain([key], [parent], [fp], [len(tokens)])
-
-    def page_chain(self, ns: Namespace, epoch: int, digests: Sequence[bytes]) -> BlockChain:
-        """Keys for engine pages whose own digests already chain the whole prefix (SGLang's page
-        hash): page i is keyed by ``digests[i]`` alone, rooted at the namespace and ``epoch``, so
-        a page is found whatever the engine still caches before it (``KeyScheme.rooted_digests``)."""
-        keys = self._parts.keys
-        return keys.rooted_digests(keys.root_key(self._scopes.own(ns).seed, epoch), digests, ns.block_size)
-
-    def current_epoch(self, ns: Namespace) -> int:
-        """The epoch saves of ``ns`` go under (a lookup checks that it is confirmed)."""
-        return self._parts.epochs.get(self._scopes.own(ns).seed)
-
-    def group_chain(self, ns: Namespace, epoch: int, tag: bytes, tokens: Sequence[int] | np.ndarray,
-                    extra: Extra = NO_EXTRA) -> BlockChain:
-        """The full-block keys of ``tokens`` on one KV-cache group's chain of a hybrid model
-        (``KeyScheme.group_root``: under ``epoch``'s root and the group's ``tag``), as ``lookup_groups``
-        finds them."""
-        keys = self._parts.keys
-        root = keys.group_root(keys.root_key(self._scopes.own(ns).seed, epoch), tag)
-        return keys.chain_keys(root, as_tokens(tokens), ns.block_size, extra, partial=False)
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, ns: Namespace, tokens: Sequence[int] | np.ndarray, extra: Extra = NO_EXTRA,
@@ -298,6 +260,20 @@ class BlockStore:
         to L2, bypassing L1 (needs ``direct_writes``); returns the blocks stored."""
         return self._writer.save_runs(self._scopes.own(ns), epoch, chain, runs)
 
+    # ---------------------------------------------------------- verified hits
+    def prepare_verify(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
+        """Scratch L1 slots for the full blocks of ``chain`` that *are* stored (``prepare_store``
+        reserves the others): the caller fills them with the blocks the engine computed for those
+        keys, as for a save, then calls ``complete_verify``. Never published (``verify.py``)."""
+        return self._verifier.prepare_verify(self._scopes.own(ns), epoch, chain, size)
+
+    def complete_verify(self, res: Reservation, segments: Sequence[Segment], success: bool = True) -> list[Comparison]:
+        """Compare the filled scratch slots with the stored blocks (per ``segments``: each layer's
+        part of a block, in its dtype) and give the slots back; a stored block that differs is
+        deleted from every tier, counted and logged (``verify.on_mismatch``). With ``success``
+        False (a slot was not filled) only the slots go back."""
+        return self._verifier.complete_verify(res, segments, success)
+
     @property
     def direct_writes(self) -> bool:
         """Whether ``save_runs`` may be used, and ``complete_store(wait=True)`` writes L2 on the
@@ -382,7 +358,7 @@ class BlockStore:
     def stats(self) -> dict[str, object]:
         """Tiers, blocks and bytes per namespace and epoch, current epochs, the namespaces this
         instance has not joined (``joined``), descriptors and counters (``kvstrata stats``)."""
-        return report.stats(self._parts)
+        return {**report.stats(self._parts), "verify": self._verifier.figures()}
 
     def close(self) -> None:
         if self._parts.recovery is not None:

@@ -19,6 +19,7 @@ import torch
 
 from kvstrata.format.block import payload_checksum
 from kvstrata.index import EntryMeta
+from kvstrata.index.blockindex import RETIRED
 from kvstrata.tiers import BlockTier, DiskTier
 from kvstrata.store.parts import Parts
 from kvstrata.store.protocol import Reservation
@@ -69,7 +70,7 @@ class Evictor:
         """Evict the block at ``row`` from L1 (demoting it first if so configured); its meta if evicted."""
         parts = self.parts
         meta = parts.index.meta(row)
-        demote = (parts.l2 is not None and parts.config.l2.write == "on_evict"
+        demote = (parts.l2 is not None and parts.config.l2.write == "on_evict" and meta.epoch != RETIRED
                   and not int(parts.index.tiers_of(np.array([row]))[0]) & parts.l2.bit)
         if demote:
             _rows, lease = parts.index.pin_keys([meta.key])  # the slot must not be reused mid-write

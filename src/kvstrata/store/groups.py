@@ -69,6 +69,8 @@ class GroupLookup:
         if not confirmed or not self.parts.epochs.joined(ns.seed):  # as ``Lookup._unconfirmed``
             self.parts.counters.inc("not_joined_misses" if confirmed else "unconfirmed_epoch_misses")
             return _miss(ns, 0, len(rules))
+        if self.parts.quarantine.holds(ns.seed, epoch):  # counted there
+            return _miss(ns, 0, len(rules))
         bs = ns.block_size
         lo_block, top = lo // bs, min(hi, len(tokens)) // bs
         if top <= lo_block:

@@ -43,6 +43,8 @@ class Lookup:
         epoch, confirmed = self.parts.epochs.lookup_epoch(ns.seed, since)
         if not confirmed or not self.parts.epochs.joined(ns.seed):
             return self._unconfirmed(ns, confirmed)
+        if self.parts.quarantine.holds(ns.seed, epoch):
+            return self._quarantined(ns)
         keys = self.parts.keys
         chain = keys.chain_keys(keys.root_key(ns.seed, epoch), tokens, ns.block_size, extra)
         if pin:  # validated and pinned in one index call: the common, whole-prompt hit is done
@@ -71,6 +73,8 @@ class Lookup:
         current, confirmed = self.parts.epochs.lookup_epoch(ns.seed, time.monotonic())
         if not confirmed or not self.parts.epochs.joined(ns.seed):
             return self._unconfirmed(ns, confirmed)
+        if self.parts.quarantine.holds(ns.seed, current):
+            return self._quarantined(ns)
         n = self._match(ns.seed, epoch, chain, 0) if current == epoch else 0  # replaced since the chain was built
         return self._hit(ns, epoch, chain_slice(chain, 0, n), pin)
 
@@ -81,6 +85,11 @@ class Lookup:
         be served."""
         self.parts.counters.inc("lookups")
         self.parts.counters.inc("not_joined_misses" if confirmed else "unconfirmed_epoch_misses")
+        return Hit(ns, 0, BlockChain([], [], [], []), [], None)
+
+    def _quarantined(self, ns: Namespace) -> Hit:
+        """A miss: this instance holds the namespace in quarantine (``quarantine.py``, counted there)."""
+        self.parts.counters.inc("lookups")
         return Hit(ns, 0, BlockChain([], [], [], []), [], None)
 
     def _hit(self, ns: Namespace, epoch: int, chain: BlockChain, pin: bool) -> Hit:

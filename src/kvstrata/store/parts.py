@@ -22,6 +22,7 @@ from kvstrata.keys import KeyScheme, key_scheme
 from kvstrata.metrics import Counters
 from kvstrata.tiers import REMOTE_BACKENDS, BlockTier, DiskTier, FileEpochs, MemoryTier
 from kvstrata.tiers.redis_client import redact_url
+from kvstrata.store.quarantine import Quarantine
 from kvstrata.store.recovery import Recovery
 from kvstrata.store.saver import Saver
 
@@ -42,6 +43,7 @@ class Parts:
     saver: Saver
     recovery: Recovery | None  # L2's blocks coming into the index (None: no L2)
     keys: KeyScheme  # how every key of this store is computed (``keys.hash``)
+    quarantine: Quarantine  # namespaces served nothing here after a verified mismatch (``verify.py``)
 
     @property
     def tiers(self) -> list[BlockTier]:
@@ -96,7 +98,7 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
                      where, auth.key_id)
     saver = Saver(config.saves.queue_blocks, config.saves.threads)
     recovery = Recovery(index, l2) if l2 is not None else None
-    return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver, recovery, keys)
+    return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver, recovery, keys, Quarantine(counters))
 
 
 def open_keys(config: StrataConfig) -> KeyScheme:

@@ -109,10 +109,12 @@ def relative_errors(stored: torch.Tensor, computed: torch.Tensor, segments: Sequ
 
 
 def _rows(block: torch.Tensor, segments: Sequence[Segment], nbytes: int) -> torch.Tensor:
+    block = block.reshape(-1)  # one flat run of bytes (a view when it already is one)
     offsets = [s.offset for s in segments]
     step = offsets[1] - offsets[0] if len(offsets) > 1 else nbytes
     if step >= nbytes and all(b - a == step for a, b in zip(offsets, offsets[1:])):  # evenly spaced: a view
-        return block.as_strided((len(offsets), nbytes), (step, 1), offsets[0])
+        # as_strided's offset counts from the storage's start, not the view's (an arena row)
+        return block.as_strided((len(offsets), nbytes), (step, 1), block.storage_offset() + offsets[0])
     return torch.stack([block[o:o + nbytes] for o in offsets])
 
 

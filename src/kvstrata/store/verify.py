@@ -1,0 +1,193 @@
+"""Verified hits, the store's part: scratch slots for blocks the engine recomputes although they are
+stored (``prepare_verify``), the comparison of each with its stored copy (``complete_verify``), and
+what a mismatch does: the block deleted from every tier, counted, logged, and with
+``verify.on_mismatch: quarantine`` the namespace served nothing more here until its epoch changes.
+
+The adapters choose which requests are verified (``verify.sample_rate``) and make the engine
+compute their prefix instead of loading it; they fill the scratch slots exactly as a save's, from
+the blocks the engine computed, and name each layer's part of a block (``verify.compare.Segment``).
+A scratch slot is never published: nobody but ``complete_verify`` reads it, and it goes back to
+L1's free slots at once.
+
+Counted per tier the stored block was read from (``verify_checks_<tier>``,
+``verify_mismatches_<tier>``), per namespace in ``stats()["verify"]`` and in the namespace's
+verification record beside its epoch (``epochs``: ``kvstrata stats`` of any process reads it), and
+each block's worst error is a sample of ``verify_error`` (a histogram).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvstrata.index import EntryMeta
+from kvstrata.keys import BlockChain, Namespace
+from kvstrata.store.evict import Evictor
+from kvstrata.store.parts import Parts
+from kvstrata.store.protocol import Reservation
+from kvstrata.verify.compare import TOLERANCES, Comparison, Segment, compare
+
+log = logging.getLogger(__name__)
+
+# ``verify.tolerances`` names a KV dtype as vLLM's ``kv_cache_dtype`` does
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+@dataclass
+class Tally:
+    """One namespace's verification figures in this process."""
+
+    checks: int = 0
+    mismatches: int = 0
+    last: dict[str, object] | None = None  # the last mismatch: when, key, tier, error, segment
+
+    def as_dict(self) -> dict[str, object]:
+        return {"checks": self.checks, "mismatches": self.mismatches, "last_mismatch": self.last}
+
+
+@dataclass
+class Verifier:
+    parts: Parts
+    evictor: Evictor
+    _tallies: dict[bytes, Tally] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        tolerances = dict(TOLERANCES)
+        for name, value in self.parts.config.verify.tolerances.items():
+            tolerances[DTYPE_NAMES[name]] = value
+        self.tolerances = tolerances
+
+    # ------------------------------------------------------------ slots
+    def prepare_verify(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
+        """Scratch L1 slots for the full blocks of ``chain`` that are validly stored now (what
+        ``prepare_store`` leaves out): ``res.metas[i]`` names the block the caller copies into
+        ``res.slots[i]``. Partial blocks are left out: the engine's block holds other bytes past
+        their tokens. Never published; ``complete_verify`` gives the slots back."""
+        if not chain.keys:
+            return Reservation([], [])
+        stored = self.parts.index.valid_mask(ns.seed, epoch, chain)
+        metas = [EntryMeta(chain.keys[i], chain.parents[i], chain.fps[i], chain.lengths[i], ns.seed, epoch, size, 0)
+                 for i in np.flatnonzero(stored).tolist() if chain.lengths[i] == ns.block_size]
+        return self.evictor.reserve_slots(metas)
+
+    def complete_verify(self, res: Reservation, segments: Sequence[Segment], success: bool = True) -> list[Comparison]:
+        """Compare each filled scratch slot of ``res`` with the stored block of its key, give the
+        slots back, and delete every stored block that differs (see the module docstring). Blocks
+        no tier holds any more, or whose stored copy cannot be read, are not compared. Returns the
+        comparisons made, in ``res`` order of the blocks compared."""
+        parts = self.parts
+        try:
+            if not success or not res.slots or parts.l1.data is None:
+                return []
+            return self._compare(res, segments)
+        finally:
+            parts.l1.release(res.slots)
+
+    def _compare(self, res: Reservation, segments: Sequence[Segment]) -> list[Comparison]:
+        parts = self.parts
+        data = parts.l1.data
+        assert data is not None
+        keys = [m.key for m in res.metas]
+        rows, lease = parts.index.pin_keys(keys, leading=False)  # each stored copy stays while read
+        done: list[tuple[EntryMeta, str, Comparison]] = []
+        try:
+            metas = parts.index.metas(np.maximum(rows, 0), keys)
+            bits = parts.index.tiers_of(np.maximum(rows, 0)).tolist()
+            stored = torch.empty(res.metas[0].size, dtype=torch.uint8)
+            for i, (meta, row) in enumerate(zip(metas, rows.tolist())):
+                if row < 0 or meta is None or meta.size != res.metas[i].size:
+                    continue
+                tier = self._read(meta, bits[i], stored)
+                if tier is not None:
+                    done.append((meta, tier, compare(stored, data[res.slots[i], : meta.size], segments,
+                                                     self.tolerances)))
+        finally:
+            if lease is not None:
+                parts.index.unpin(lease)
+        for meta, tier, result in done:  # unpinned: a mismatching block's L1 copy can go at once
+            self._count(meta, tier, result)
+        return [result for _meta, _tier, result in done]
+
+    def _read(self, meta: EntryMeta, bits: int, out: torch.Tensor) -> str | None:
+        """The stored copy of ``meta`` into ``out``, from the tier a load would serve it from (L1
+        where resident, else the first backing tier): that tier's name, or None if unread."""
+        parts = self.parts
+        if bits & parts.l1.bit and parts.l1.read(meta, out):
+            return parts.l1.name
+        for tier in parts.backing:
+            if bits & tier.bit:
+                if tier.read(meta, out):
+                    return tier.name
+                parts.index.drop_tier(meta.key, tier.bit)  # the tier dropped a bad copy
+        return None
+
+    # -------------------------------------------------------- mismatches
+    def _count(self, meta: EntryMeta, tier: str, result: Comparison) -> None:
+        counters = self.parts.counters
+        counters.inc(f"verify_checks_{tier}")
+        counters.observe("verify_error", min(result.error, 1e9))
+        with self._lock:
+            tally = self._tallies.setdefault(meta.ns_seed, Tally())
+            tally.checks += 1
+        if result.ok:
+            return
+        counters.inc(f"verify_mismatches_{tier}")
+        segment = int(result.worst)
+        last = {"time": time.time(), "key": meta.key.hex(), "tier": tier, "error": result.error,
+                "tolerance": result.tolerance, "segment": segment}
+        with self._lock:
+            tally.mismatches += 1
+            tally.last = last
+        removed = self.condemn(meta.key)
+        quarantine = self.parts.config.verify.on_mismatch == "quarantine"
+        log.error("kvstrata: verified hit MISMATCH: block %s of namespace %s (epoch %d), served from %s, differs "
+                  "from the engine's own computation: relative error %.3g > %.3g in segment %d; writer unknown "
+                  "(blocks carry no writer id). Deleted from %s%s. A key input is missing from the namespace "
+                  "or the block was written wrong: see docs/consistency.md 'Verified hits'",
+                  meta.key.hex(), meta.ns_seed.hex()[:16], meta.epoch, tier, result.error, result.tolerance, segment,
+                  ", ".join(removed) or "no tier (already gone)",
+                  "; the namespace is quarantined here until its epoch changes" if quarantine else "")
+        if quarantine:
+            self.parts.quarantine.hold(meta.ns_seed, meta.epoch)
+
+    def condemn(self, key: bytes) -> list[str]:
+        """Delete block ``key`` from every tier and hide it from lookups at once (``index.retire``:
+        no epoch validates it any more, pinned or not). Backing copies are deleted now (a reader
+        of one fails its read and recomputes); the L1 copy now unless pinned by a load, else when
+        L1 evicts it. Returns the tiers it was deleted from."""
+        parts = self.parts
+        retired = parts.index.retire(key)
+        if retired is None:
+            return []
+        meta, bits = retired
+        removed = []
+        for tier in parts.backing:
+            if bits & tier.bit:
+                tier.delete(key)
+                if meta.tail and hasattr(tier, "delete_tail_marker"):
+                    tier.delete_tail_marker(meta.parent, meta.ntok, key)
+                parts.index.drop_tier(key, tier.bit)
+                parts.counters.tier_changed(tier.name, [meta], False)
+                removed.append(tier.name)
+        if bits & parts.l1.bit and parts.index.claim(key, parts.l1.bit):
+            parts.l1.delete(key)
+            parts.counters.tier_changed(parts.l1.name, [meta], False)
+            removed.insert(0, parts.l1.name)
+        parts.counters.inc("verify_deleted_blocks")
+        return removed
+
+    def figures(self) -> dict[str, dict[str, object]]:
+        """Per namespace (seed hex): checks, mismatches, the last mismatch, and whether quarantined."""
+        held = self.parts.quarantine.seeds()
+        with self._lock:
+            return {seed.hex(): {**t.as_dict(), "quarantined": seed in held} for seed, t in self._tallies.items()}
