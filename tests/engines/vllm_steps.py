@@ -28,7 +28,8 @@ in memory (``collective_rpc("reload_weights")``, in-process EngineCore), the mod
 {"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
 (in-process EngineCore only); {"op": "kv_groups"} -> {"num_blocks", "groups": [[spec class, block
 size], ...]}; {"op": "group_keys", "prompt": [ids], "salt": str|null} -> {"kinds", "keys": per group, the
-hex keys of the prompt's full blocks} (a hybrid model's; both in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "spec_stats"} -> {"drafts", "draft_tokens",
+hex keys of the prompt's full blocks} (a hybrid model's; both in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "plant", "donor": [ids], "victim": [ids]} -> {"planted": n}: the donor prompt's stored
+full blocks written through the store API under the victim's keys (in-process EngineCore only); {"op": "spec_stats"} -> {"drafts", "draft_tokens",
 "accepted_tokens"}: vLLM's speculative-decoding counters so far ("speculative" engines); {"op": "arenas", "children": bool} ->
 {"names"}: kvstrata's L1 arena files in /dev/shm created by this process or (by default) its
 children (the EngineCore when "mp"). Greedy decoding throughout.
@@ -170,6 +171,27 @@ def _reload_weights(llm, spec: dict, seed: int, scale: float) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # the spec_stats step reads vLLM's metrics
 
 
+def _plant(llm, op: dict) -> dict:
+    """The stored full blocks of prompt ``donor`` written through the store API (``save_now``: a
+    valid checksum) under the keys of prompt ``victim``: a block whose KV is another prompt's.
+    Returns {"planted": blocks written}."""
+    import numpy as np
+    import torch
+
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+    store, ns, bs = sched.store, sched.ns, sched.block_size
+    store.flush(30)
+    donor = store.lookup(ns, np.asarray(op["donor"], np.uint32), pin=True)
+    try:
+        n = min(sum(1 for k in donor.chain.lengths if k == bs), len(op["victim"]) // bs)
+        rows = torch.empty(n, sched.arena.slot_bytes, dtype=torch.uint8)
+        assert store.load_into(donor._replace(chain=type(donor.chain)(*(p[:n] for p in donor.chain))), rows) == n
+    finally:
+        store.complete_load(donor)
+    epoch, chain = store.chain(ns, np.asarray(op["victim"][: n * bs], np.uint32), partial=False)
+    return {"planted": store.save_now(ns, epoch, chain, rows)}
+
+
 def step(llm, op: dict, spec: dict) -> dict:
     from vllm import SamplingParams
 
@@ -225,6 +247,8 @@ def step(llm, op: dict, spec: dict) -> dict:
         names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
         return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
+    if op["op"] == "plant":  # in-process EngineCore only: the donor's stored KV under the victim's keys
+        return _plant(llm, op)
     if op["op"] == "counters":
         store = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.store
         store.wait_recovered(120)  # settled figures: the background L2 scan's counts included

@@ -1,6 +1,7 @@
 """The store protocol: ``StoreProtocol``, the contract engine glue programs against, and the
 types it passes around: the handles ``Hit``, ``Reservation``, ``ByteRuns``, ``Arena``; a hybrid
-model's ``GroupRule`` and ``GroupHit`` (``lookup_groups``); ``StoreFigures`` (``figures``).
+model's ``GroupRule`` and ``GroupHit`` (``lookup_groups``); ``StoreFigures`` (``figures``); a
+verified hit's ``Segment`` and ``Comparison`` (``complete_verify``, from ``verify.compare``).
 
 ``BlockStore`` (``store/block_store.py``) implements it; modeled on vLLM's ``kv_offload/abstract.py``,
 every primitive is thread-safe. The adapters (``kvstrata.adapters``) use nothing else of the
@@ -24,6 +25,7 @@ import numpy as np
 
 from kvstrata.index import EntryMeta, Lease
 from kvstrata.keys import BlockChain, Extra, KeyScheme, Namespace
+from kvstrata.verify.compare import Comparison, Segment  # verified hits: a block's layers, a verdict
 
 if TYPE_CHECKING:
     import torch
@@ -180,6 +182,8 @@ class StoreProtocol(Protocol):
       background thread);
     - stores: ``prepare_store`` then ``complete_store`` (the caller fills fresh L1 slots),
       ``save`` (queued) / ``save_now`` / ``save_runs`` (straight to disk from the caller's memory);
+    - verified hits: ``prepare_verify`` then ``complete_verify`` (the caller fills scratch L1 slots
+      with the blocks the engine computed for stored keys; a stored block that differs is deleted);
     - figures: ``count_served``, ``snapshot``, ``figures`` (what an engine's metrics export),
       ``listen`` (tier changes), ``tier_bits``;
     - control: ``describe``, ``invalidate`` (a flush every instance adopts), ``reset`` (the
@@ -230,6 +234,9 @@ class StoreProtocol(Protocol):
              on_done: Callable[[int], None] | None = None) -> bool: ...
     def save_now(self, ns: Namespace, epoch: int, chain: BlockChain, src: Any) -> int: ...
     def save_runs(self, ns: Namespace, epoch: int, chain: BlockChain, runs: ByteRuns) -> int: ...
+
+    def prepare_verify(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation: ...
+    def complete_verify(self, res: Reservation, segments: Sequence[Segment], success: bool = True) -> list[Comparison]: ...
 
     def count_served(self, origins: Sequence[str], tokens: Sequence[int], *, copied_from_l1: bool = True,
                      l1_bytes: int = 0) -> None: ...

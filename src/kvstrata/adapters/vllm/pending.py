@@ -8,14 +8,19 @@ than this instance's: not if it was running at this instance's last reset, or if
 hit came from vLLM's own cache from before that reset (``resets.LocalCacheGuard``), and not once
 its LoRA adapter's files changed after it was keyed.
 
+A request sampled for a verified hit (``verify.sample_rate``, ``Admission``) is told no external
+tokens: the engine computes its prefix, and the blocks it computes are copied like a save into
+scratch slots (``Ops.verify``) and compared with the stored blocks of the same keys.
+
 Every copy is an op with an id, sent to the workers in the metadata of the step it is planned in
-(``Ops.load``, ``Ops.save``, ``Ops.take``). An op is settled when every rank that copies it has
-reported it (``Ops.report``): a load gives its pin back; a save is committed to the store if no rank
-failed, else aborted.
+(``Ops.load``, ``Ops.save``, ``Ops.verify``, ``Ops.take``). An op is settled when every rank that
+copies it has reported it (``Ops.report``): a load gives its pin back; a save is committed to the
+store if no rank failed, else aborted; a verification is compared, then its slots go back.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -23,7 +28,7 @@ import numpy as np
 
 from kvstrata.adapter_versions import AdapterVersions
 from kvstrata.keys import NO_EXTRA, Extra
-from kvstrata.store import GroupHit, Hit, Reservation, StoreProtocol
+from kvstrata.store import GroupHit, Hit, Reservation, Segment, StoreProtocol
 
 from kvstrata.adapters.vllm.metadata import CopyOp
 from kvstrata.adapters.vllm.request_keys import adapter_unchanged, request_keys
@@ -58,6 +63,9 @@ class Pending:
     group_hit: GroupHit | None = None  # a hybrid model's pinned GroupHit, until its load ops take it over
     group_slots: list[list[int]] = field(default_factory=list)
     loaded: bool = False  # a hybrid model's asynchronous load was handed to the workers
+    verify: bool = False  # sampled for a verified hit (verify.sample_rate): its hit is computed, not loaded
+    verify_hit: Hit | None = None  # the hit it computes instead, pinned until its blocks are planned
+    verify_from: int = 0  # the first block of that hit the engine computes (before it: vLLM's own cache)
 
     def taken(self, num_external_tokens: int, block_size: int) -> tuple[list[str], list[int]]:
         """Per block of the load the request is about to get (``num_external_tokens`` beyond
@@ -72,7 +80,9 @@ class Pending:
 class Admission:
     """Which requests are served and stored (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample_rate: float = 0.0) -> None:
+        self.sample_rate = sample_rate  # verify.sample_rate
+        self._sampler = random.Random()
         self.adapters = AdapterVersions()  # LoRA adapters by content, as this engine loaded them
         self.guard = LocalCacheGuard()  # vLLM's own cached blocks from before this instance's last reset
         self._unchanged: dict[tuple[int, str, str], bool] = {}  # adapters checked this step
@@ -88,7 +98,8 @@ class Admission:
         keys = request_keys(request, self.adapters)
         if keys is None:
             return Pending(request, np.zeros(0, np.uint32), NO_EXTRA, served=False, saves=False)
-        return Pending(request, keys.tokens, keys.extra, keys.adapter)
+        verify = self.sample_rate > 0 and self._sampler.random() < self.sample_rate
+        return Pending(request, keys.tokens, keys.extra, keys.adapter, verify=verify)
 
     def may_save(self, st: Pending, req_id: str, kv_cache_manager: Any, block_size: int) -> bool:
         """Whether the blocks of ``st`` may be stored now (see the module docstring)."""
@@ -125,6 +136,7 @@ class _InFlight:
     ok: bool = True
     reservation: Reservation | None = None  # a save: the slots the ranks are filling
     hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
+    verify: bool = False  # a save into scratch slots, compared with the stored blocks (verified hits)
 
 
 class Ops:
@@ -132,8 +144,10 @@ class Ops:
     copies them has reported them: a load, every rank (each reads the slots); a save, every rank
     that writes a part of the slots (``writers``: rank 0 alone for a shared latent)."""
 
-    def __init__(self, store: StoreProtocol, role: Role, ranks: int, writers: frozenset[int]) -> None:
+    def __init__(self, store: StoreProtocol, role: Role, ranks: int, writers: frozenset[int],
+                 segments: tuple[Segment, ...] = ()) -> None:
         self.store = store
+        self.segments = segments  # a block's layers, as verified hits compare them
         self.role = role
         self.ranks = ranks
         self.writers = writers
@@ -158,6 +172,14 @@ class Ops:
         op = CopyOp(self._new_op_id(), req_id, res.slots, block_ids, group=group)
         self._saves.append(op)
         self._track(op, reservation=res)
+
+    def verify(self, req_id: str, res: Reservation, block_ids: list[int]) -> None:
+        """A verification op of this step (``store.prepare_verify``): the ranks copy the engine's
+        ``block_ids`` into the scratch slots of ``res`` exactly as for a save; when every writer
+        has reported, the store compares them with the stored blocks of the same keys."""
+        op = CopyOp(self._new_op_id(), req_id, res.slots, block_ids)
+        self._saves.append(op)
+        self._inflight[op.op_id] = _InFlight(set(self.writers), req_id, reservation=res, verify=True)
 
     def take(self) -> tuple[list[CopyOp], list[CopyOp]]:
         """The step's load and save ops, for its metadata; the next step starts with none."""
@@ -189,7 +211,10 @@ class Ops:
         del self._inflight[op_id]
         if op.hit is not None:
             self.store.complete_load(op.hit)  # every rank has copied the blocks out of their slots
-        if op.reservation is not None:
+        if op.verify:
+            assert op.reservation is not None
+            self.store.complete_verify(op.reservation, self.segments, op.ok)
+        elif op.reservation is not None:
             # Published (visible to lookups from now on) only if every rank copied its shard.
             self.store.complete_store(op.reservation, op.ok)
             self.role.settled(op.req_id, op_id)

@@ -25,7 +25,7 @@ keyed by its rank (vLLM hands the scheduler the reports of all ranks of a step m
   block, so a hit covers every stage); the writers of a save, every rank, or TP rank 0 of each
   stage for an MLA latent that every rank holds whole (``slots.SlotPlan``).
 
-Hybrid models (several KV cache groups) take ``hybrid.py``'s paths for lookups, loads and saves.
+Hybrid models (several KV cache groups) take ``hybrid.py``'s paths; verified hits, ``verify.py``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from kvstrata.adapters.vllm.pending import Admission, Ops, Pending
 from kvstrata.adapters.vllm.roles import make_role
 from kvstrata.adapters.vllm.slots import slot_plan
 from kvstrata.adapters.vllm.staging import Staging
+from kvstrata.adapters.vllm.verify import Verifies
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,10 +92,12 @@ class SchedulerSide:
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._reqs: dict[str, Pending] = {}
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
-        self._admission = Admission()  # which requests are served and stored
+        # which requests are served and stored, and which are verified (hybrid models: not yet)
+        self._admission = Admission(0.0 if layouts else cfg.verify.sample_rate)
         self.stats = StatsCollector(self.store)
         self.role = make_role(vllm_config, cfg, self.store)  # P/D: producer, consumer or both
-        self._ops = Ops(self.store, self.role, plan.ranks, plan.writers)  # the step's copies and those in flight
+        self._ops = Ops(self.store, self.role, plan.ranks, plan.writers, plan.segments)
+        self._verifies = Verifies(self.store, self.ns, self.block_size, plan.slot_bytes)  # the step's copies and those in flight
         self._staging = Staging(self.store, self.block_size, plan.slot_bytes, cfg.l1.stage_inline_bytes,
                                 self.role.local_copy)
         self._hybrid = HybridPlans(self.store, self.ns, self._ops, self.role, plan.slot_bytes, layouts) \
@@ -132,6 +135,10 @@ class SchedulerSide:
             st.learned = True
             n_full = sum(1 for n in hit.chain.lengths if n == self.block_size)
             self.events.learn(hit.chain.keys[:n_full], request.block_hashes, 0, st.tokens, hit.tiers)
+        if st.verify:
+            self._verifies.drop(st)  # a lookup asked again (the request was not scheduled): this one counts
+            if hit.num_blocks > num_computed_tokens // self.block_size:
+                return self._verifies.instead(st, hit, num_computed_tokens)
         matched, slots = self._staging.resident(st, hit, num_computed_tokens)
         if not matched:
             self.store.complete_load(hit)
@@ -222,13 +229,14 @@ class SchedulerSide:
             where.append(n_prompt_full)
         st.saved_full, st.tail_saved = max(st.saved_full, full), st.tail_saved or tail
         res = self.store.prepare_store(self.ns, epoch, todo, self.arena.slot_bytes)
-        if not res.slots:
-            return
-        if self.kv_cache_manager is None:
+        check = self._verifies.plan(st, epoch, todo, where)  # a verified request's stored blocks
+        if self.kv_cache_manager is None and (res.slots or check.slots):
             raise RuntimeError("kvstrata: bind_kv_cache_manager() was not called before scheduling")
-        block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
         position = {key: i for i, key in enumerate(todo.keys)}
-        self._ops.save(req_id, res, [block_ids[where[position[m.key]]] for m in res.metas])
+        for slots, op in ((res, self._ops.save), (check, self._ops.verify)):
+            if slots.slots:
+                block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+                op(req_id, slots, [block_ids[where[position[m.key]]] for m in slots.metas])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Everything computed was saved in the step that computed it, except the partial block at
@@ -241,6 +249,7 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._release(st)
+            self._verifies.drop(st)
             if self._hybrid is not None:
                 self._hybrid.release(st)
         return self.role.finished(request.request_id), None

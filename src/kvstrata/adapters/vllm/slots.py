@@ -17,7 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvstrata.config import ConfigError
+from kvstrata.store import Segment
 
 from kvstrata.adapters.vllm.groups import GroupLayout
 from kvstrata.adapters.vllm.namespace import draft_identity, latent_shared
@@ -35,6 +38,9 @@ class SlotPlan:
     shared: bool  # MLA: one region that every rank reads
     ranks: int  # workers that report every op
     writers: frozenset[int]  # workers that write a save's slots
+    # one segment per layer of every rank region, in the KV dtype (verified hits compare by them);
+    # empty for a hybrid model (its groups' blocks are not verified yet)
+    segments: tuple[Segment, ...] = ()
 
 
 def slot_plan(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
@@ -56,8 +62,23 @@ def slot_plan(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     stage_bytes = pipeline_stage_bytes(vllm_config, kv_cache_config, first) if pp > 1 else ()
     rank_bytes = sum(stage_bytes) or first
     ranks = tp * pp
+    segments: tuple[Segment, ...] = ()
+    if not layouts:
+        page = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        dtype = kv_dtype(vllm_config, kv_cache_config)
+        segments = tuple(Segment(f"rank {r} layer {i}", r * rank_bytes + i * page, page, dtype)
+                         for r in range(1 if shared else tp) for i in range(rank_bytes // page))
     return SlotPlan(rank_bytes, rank_bytes if shared else rank_bytes * tp, stage_bytes, shared, ranks,
-                    frozenset(range(0, ranks, tp) if shared else range(ranks)))
+                    frozenset(range(0, ranks, tp) if shared else range(ranks)), segments)
+
+
+def kv_dtype(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> torch.dtype:
+    """The dtype of the values in a block: the KV cache spec's, except fp8 caches, which vLLM keeps
+    as bytes (uint8), named by ``cache_dtype``."""
+    cache = str(vllm_config.cache_config.cache_dtype)
+    if cache.startswith("fp8"):
+        return torch.float8_e5m2 if cache == "fp8_e5m2" else torch.float8_e4m3fn
+    return kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
 
 
 def pipeline_stage_bytes(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", first: int) -> tuple[int, ...]:

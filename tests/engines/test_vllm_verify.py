@@ -1,0 +1,103 @@
+"""Verified hits on the real vLLM engine (``verify.sample_rate: 1.0``): every request that would
+hit computes its prefix instead, and the blocks it computes are compared with the stored ones.
+
+One engine (the tiny dense model, in-process EngineCore, L1 and L2), in order:
+
+1. honest traffic: prompts stored, vLLM's own prefix cache reset, the prompts again in one batch:
+   100+ blocks verified, none mismatched, the outputs those of the same batch computed cold;
+2. a planted block: another prompt's KV written through the store API under a victim's keys
+   (valid checksums): the victim's request is answered as vLLM alone answers, every planted block
+   is counted as a mismatch and deleted, and the next verification of the victim is clean;
+3. an identity hole: the weights change in the running engine (``reload_weights``, as an RL
+   weight sync does) without the connector's reset (``reset_prefix_cache(reset_connector=False)``):
+   the namespace is unchanged, so kvstrata holds old-weights KV under live keys. The verified
+   request is answered as the new weights answer, the stale blocks are caught and deleted.
+
+With the default ``sample_rate`` (0.001) these engines would serve the wrong blocks of 2 and 3:
+the point is that the first one sampled is caught (the figures are in docs/consistency.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.launchers import BS, StepEngine, delta, disk_config, gen, ids, salt
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.timeout(900)
+
+HONEST = [ids(700 + i, 10 * BS + 7) for i in range(12)]  # 12 prompts of 10 full blocks and a tail
+DONOR, VICTIM = ids(720, 6 * BS), ids(721, 6 * BS + 3)
+STALE = ids(722, 8 * BS)
+
+
+def mismatches(c: dict) -> int:
+    return sum(v for k, v in c.items() if k.startswith("verify_mismatches_"))
+
+
+def checks(c: dict) -> int:
+    return sum(v for k, v in c.items() if k.startswith("verify_checks_"))
+
+
+def test_verified_hits_pass_honest_blocks_and_catch_planted_and_stale_ones(model, tmp_path, baseline):
+    cfg = disk_config(tmp_path, verify="{sample_rate: 1.0}")
+    with StepEngine(model, tmp_path, cfg, name="verify") as engine:
+        # 1. honest traffic
+        (first,) = engine.run([{"op": "generate", "prompts": HONEST, "max_tokens": 4}])
+        engine.run([{"op": "sleep", "s": 1.0}, {"op": "reset", "connector": False}])
+        (before,) = engine.run([{"op": "counters"}])
+        (again,) = engine.run([{"op": "generate", "prompts": HONEST, "max_tokens": 4}])
+        (after,) = engine.run([{"op": "counters"}])
+        d = delta(after, before)
+        assert checks(d) >= 100, d  # every full block of every prompt, each computed by the engine again
+        assert mismatches(d) == 0, d
+        # as the same batch computed cold (vLLM alone may batch otherwise, and a tiny random model's
+        # greedy tokens are near ties that another batch can flip)
+        assert again["tokens"] == first["tokens"]
+        assert again["cached"] == [0] * len(HONEST)  # a verified request loads nothing
+
+        # 2. a planted block
+        engine.run([gen(DONOR)])
+        (planted,) = engine.run([{"op": "plant", "donor": DONOR, "victim": VICTIM}])
+        assert planted["planted"] == 6
+        (before,) = engine.run([{"op": "counters"}])
+        (victim,) = engine.run([gen(VICTIM)])
+        (after,) = engine.run([{"op": "counters"}])
+        d = delta(after, before)
+        assert victim["tokens"] == baseline(VICTIM) and victim["cached"] == 0
+        assert mismatches(d) == 6 and checks(d) == 6, d
+        assert d.get("verify_deleted_blocks") == 6, d
+        # the victim's blocks as the engine computed them are stored now (its next request, after
+        # vLLM's cache was reset, hits them): verified again, clean
+        engine.run([gen(VICTIM), {"op": "sleep", "s": 1.0}, {"op": "reset", "connector": False}])
+        (before,) = engine.run([{"op": "counters"}])
+        (clean,) = engine.run([gen(VICTIM)])
+        d = delta(engine.run([{"op": "counters"}])[0], before)
+        assert checks(d) == 6 and mismatches(d) == 0, d
+        assert clean["tokens"] == baseline(VICTIM)
+
+        # 3. an identity hole: new weights, same namespace (no connector reset)
+        engine.run([gen(STALE), {"op": "sleep", "s": 1.0}])
+        engine.run([{"op": "reload_weights", "seed": 3, "scale": 0.5}, {"op": "reset", "connector": False}])
+        (before,) = engine.run([{"op": "counters"}])
+        stale, fresh = engine.run([gen(STALE), gen(STALE, salt=salt())])  # fresh: keyed apart, nothing stored
+        d = delta(engine.run([{"op": "counters"}])[0], before)
+        assert stale["tokens"] == fresh["tokens"] and stale["cached"] == 0
+        assert stale["tokens"] != baseline(STALE)  # the new weights answer otherwise: stale KV would show
+        assert mismatches(d) == 8 and checks(d) == 8, d
+
+
+def test_without_verification_the_planted_block_and_the_stale_weights_are_served(model, tmp_path, baseline):
+    """The other side of the test above (``sample_rate: 0``): the same planted block and the same
+    unreset weight change are loaded and change the answers. What verification catches is real."""
+    cfg = disk_config(tmp_path, verify="{sample_rate: 0}")
+    with StepEngine(model, tmp_path, cfg, name="unverified") as engine:
+        engine.run([gen(DONOR)])
+        assert engine.run([{"op": "plant", "donor": DONOR, "victim": VICTIM}])[0]["planted"] == 6
+        (victim,) = engine.run([gen(VICTIM)])
+        assert victim["cached"] >= 6 * BS - 1 and victim["tokens"] != baseline(VICTIM)
+        engine.run([gen(STALE), {"op": "sleep", "s": 1.0}])
+        engine.run([{"op": "reload_weights", "seed": 3, "scale": 0.5}, {"op": "reset", "connector": False}])
+        stale, fresh = engine.run([gen(STALE), gen(STALE, salt=salt())])
+        assert stale["cached"] >= 8 * BS - 1 and stale["tokens"] != fresh["tokens"]
+        assert not checks(engine.run([{"op": "counters"}])[0])
