@@ -8,14 +8,23 @@ either way a conversation's turn waits for its previous turn to finish (the next
 extends the previous one, as a chat client's would). A failed request is counted, never fatal.
 
 Output: the scaling and settings, a markdown table per run (TTFT p50/p90/p99, end-to-end p50,
-requests/s, output tokens/s, hit rate, prompt tokens per tier, errors), the ratios kvstrata's
-targets (``TARGETS``) are stated in, and with ``--json`` one JSON object as the last stdout line.
+requests/s, output tokens/s, hit rate, prompt tokens per tier, verified blocks and mismatches,
+errors), the ratios kvstrata's targets (``TARGETS``) are stated in, and with ``--json`` one JSON
+object as the last stdout line.
+
+Verified hits (``verify_ratios``): ``strata-verify-*`` are ``strata-l1l2`` with another
+``verify.sample_rate`` (``serve_engines.STRATA_L1L2``; ``strata-l1l2`` runs with 0). Up to
+``VERIFY_TARGET_RATE`` they are held to ``VERIFY_TARGETS`` beside ``strata-l1l2``; above it the same
+figures are printed as the cost of verifying. A verified request loses its hit: the hit rate is
+expected to drop by the rate times the share of prompt tokens kvstrata served at rate 0, printed
+beside the measured drop and beside the share of prompt tokens the verified blocks hold.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import shutil
@@ -48,6 +57,14 @@ TARGETS = (("throughput vs baseline", "baseline", "throughput_req_s", 1.6),
            ("throughput vs hicache (host pool, no storage)", "hicache", "throughput_req_s", 0.95))
 # configs whose recompute bound is printed for reference (what the engine reaches without kvstrata)
 REFERENCES = ("hicache", "peer", "lmcache")
+# verified hits beside strata-l1l2 (verify.sample_rate 0): (name, metric, bound, how the bound
+# reads) at rates up to VERIFY_TARGET_RATE; above it, the same rows with no bound (the cost)
+VERIFY_REFERENCE = "strata-l1l2"
+VERIFY_TARGET_RATE = 0.01
+VERIFY_SERIES = ("verify_checks", "verify_mismatches")  # kvstrata_<name>_total{tier=...} in vLLM's /metrics
+VERIFY_TARGETS = (("throughput vs strata-l1l2 (verify 0)", "throughput_req_s", 0.98, ">="),
+                  ("TTFT p50 vs strata-l1l2 (verify 0)", "ttft_p50_ms", None, "<="),
+                  ("hit rate change vs strata-l1l2 (verify 0)", "hit_rate", 0.01, "|x| <="))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,8 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=0.02,
                    help="with --timestamps: trace seconds are multiplied by this (default %(default)s)")
     p.add_argument("--configs", default=None,
-                   help="comma list of baseline,hicache,strata-l1l2,strata-remote,peer,lmcache,disagg (hicache: "
-                        "SGLang's host pool, no storage backend; default: "
+                   help="comma list of baseline,hicache,strata-l1l2,strata-verify-0.01,strata-verify-1,"
+                        "strata-remote,peer,lmcache,disagg (hicache: SGLang's host pool, no storage backend; "
+                        "strata-verify-R: strata-l1l2 with verify.sample_rate R, every other kvstrata config "
+                        "runs with 0; default: "
                         "vllm: baseline,strata-l1l2,peer,lmcache; sglang: baseline,strata-l1l2,peer; "
                         "plus strata-remote when --redis-url is given)")
     p.add_argument("--disagg", action="store_true",
@@ -204,7 +223,9 @@ def prompt_wait_s(rec: Record) -> float:
 
 
 def summarize(config: str, concurrency: int | None, rec: Record, wall_s: float,
-              tiers: dict[str, float]) -> dict[str, Any]:
+              tiers: dict[str, float], verify: dict[str, float] | None = None) -> dict[str, Any]:
+    """One row of the report. ``verify``: the run's verified blocks and mismatches per tier
+    (``serve_engines.verify_series``), None where the server exports none."""
     ok = [rec.results[i] for i in sorted(rec.results)]
     ttfts = [r.ttft_ms for r in ok]
     prompt = sum(len(rec.turns[i].prompt) for i in rec.results)
@@ -228,7 +249,20 @@ def summarize(config: str, concurrency: int | None, rec: Record, wall_s: float,
             "whole_prompt_hits": round(whole / len(ok), 4) if ok else None,
             "prompt_wait_s": round(min(prompt_wait_s(rec), wall_s), 2),
             "ttft_ms": [round(x, 1) for x in ttfts],
-            "error_samples": sorted(set(rec.errors.values()))[:3]}
+            "error_samples": sorted(set(rec.errors.values()))[:3], **verify_fields(config, verify)}
+
+
+def verify_fields(config: str, verify: dict[str, float] | None) -> dict[str, Any]:
+    """A row's verified hits: its ``verify.sample_rate`` (kvstrata's CPU + disk configs), blocks
+    compared and mismatches in all and per tier (None: not exported)."""
+    rate = engines.STRATA_L1L2.get(config)
+    if verify is None:
+        return {"verify_sample_rate": rate, "verify_checks": None, "verify_mismatches": None}
+    by = {name: {k[len(name) + 1:]: int(v) for k, v in verify.items() if k.startswith(name + "_") and v}
+          for name in VERIFY_SERIES}
+    return {"verify_sample_rate": rate, "verify_checks": sum(by["verify_checks"].values()),
+            "verify_mismatches": sum(by["verify_mismatches"].values()),
+            "verify_checks_by_tier": by["verify_checks"], "verify_mismatches_by_tier": by["verify_mismatches"]}
 
 
 def failed(config: str, concurrency: int | None, n: int, why: str) -> dict[str, Any]:
@@ -238,8 +272,9 @@ def failed(config: str, concurrency: int | None, n: int, why: str) -> dict[str, 
             "error_samples": [why[-500:]]}
 
 
-def ratios(results: list[dict[str, Any]], reference: float) -> list[dict[str, Any]]:
-    """Every target (``TARGETS``, and the P/D pair's), per concurrency and kvstrata config, with its measured value."""
+def ratios(results: list[dict[str, Any]], reference: float, block_tokens: int | None = None) -> list[dict[str, Any]]:
+    """Every target (``TARGETS``, the P/D pair's, verified hits'), per concurrency and kvstrata config, with its
+    measured value (``block_tokens``: the share of prompt tokens the verified blocks hold)."""
     out = []
     for r in results:
         if r["config"] not in STRATA + REFERENCES or r["throughput_req_s"] is None:
@@ -261,7 +296,53 @@ def ratios(results: list[dict[str, Any]], reference: float) -> list[dict[str, An
             out.append({"config": r["config"], "concurrency": r["concurrency"],
                         "target": "served fraction vs 0.9 x simulate", "value": r["hit_rate"],
                         "bound": round(0.9 * reference, 4), "met": r["hit_rate"] >= 0.9 * reference})
-    return out + serve_disagg.ratios(results)
+    return out + serve_disagg.ratios(results) + verify_ratios(results, block_tokens)
+
+
+def verify_ratios(results: list[dict[str, Any]], block_tokens: int | None = None) -> list[dict[str, Any]]:
+    """Each ``strata-verify-*`` run beside ``strata-l1l2`` at its concurrency (``VERIFY_TARGETS``):
+    throughput and TTFT p50 ratios; the hit-rate change with ``expected`` (rate x the share of
+    prompt tokens kvstrata's tiers served at rate 0) and ``verified_share`` (prompt tokens in the
+    verified blocks); blocks verified; mismatches (target 0). Bounds hold up to
+    ``VERIFY_TARGET_RATE``; above it the rows are the cost, unbounded, and a verified block is
+    required (the check ran)."""
+    out: list[dict[str, Any]] = []
+    for r in results:
+        rate = r.get("verify_sample_rate")
+        if not rate or r["throughput_req_s"] is None:
+            continue
+        bounded = rate <= VERIFY_TARGET_RATE
+
+        def add(target: str, value: float | None, bound: float | None, op: str, note: str = "") -> None:
+            met = None if bound is None or value is None else {
+                ">=": value >= bound, "<=": value <= bound, "|x| <=": abs(value) <= bound, "==": value == bound,
+                ">": value > bound}[op]
+            out.append({"config": r["config"], "concurrency": r["concurrency"], "target": target, "value": value,
+                        "bound": bound, "op": op, "met": met, "note": note})
+
+        base = next((o for o in results if o["config"] == VERIFY_REFERENCE and o["concurrency"] == r["concurrency"]
+                     and o["throughput_req_s"]), None)
+        for name, metric, bound, op in VERIFY_TARGETS if base else ():
+            if r[metric] is None or not base[metric]:
+                continue
+            if metric != "hit_rate":
+                add(name, round(r[metric] / base[metric], 3), bound if bounded else None, op)
+                continue
+            loaded = serve_disagg.loaded_fraction(base)
+            expected = None if loaded is None else round(-rate * loaded, 4)
+            share = None
+            if block_tokens and r.get("verify_checks") is not None and r.get("prompt_tokens"):
+                share = round(r["verify_checks"] * block_tokens / r["prompt_tokens"], 4)
+            note = ", ".join([f"{base[metric]} -> {r[metric]}",
+                              *([f"expected {expected:+.4f} ({rate:g} x {loaded:.4f} served by kvstrata at 0)"]
+                                if expected is not None else []),
+                              *([f"verified blocks hold {share:.4f} of prompt tokens"] if share is not None else [])])
+            add(name, round(r[metric] - base[metric], 4), bound if bounded else None, op, note)
+            out[-1].update(expected=expected, verified_share=share)
+        if r.get("verify_checks") is not None:
+            add("blocks verified", r["verify_checks"], None if bounded else 0, ">")
+            add("verify mismatches", r["verify_mismatches"], 0, "==")
+    return out
 
 
 def _bounds(r: dict[str, Any], base: dict[str, Any] | None, reference: bool = False) -> list[dict[str, Any]]:
@@ -288,8 +369,10 @@ def _bounds(r: dict[str, Any], base: dict[str, Any] | None, reference: bool = Fa
 
 def markdown(results: list[dict[str, Any]]) -> str:
     sources = sorted({k for r in results for k in r["tokens_per_tier"]})
+    verified = any(r.get("verify_checks") is not None for r in results)
     head = ["config", "concurrency", "TTFT p50 ms", "p90", "p99", "e2e p50 ms", "req/s", "out tok/s",
-            "hit rate", *[f"tokens {s}" for s in sources], "errors"]
+            "hit rate", *[f"tokens {s}" for s in sources], *(["verified blocks", "mismatches"] if verified else []),
+            "errors"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def f(v: Any) -> str:
@@ -299,7 +382,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
         cells = [r["config"], "timestamps" if r["concurrency"] is None else r["concurrency"],
                  r["ttft_p50_ms"], r["ttft_p90_ms"], r["ttft_p99_ms"], r["e2e_p50_ms"], r["throughput_req_s"],
                  r["throughput_tok_s"], r["hit_rate"], *[r["tokens_per_tier"].get(s, 0) for s in sources],
-                 r["errors"]]
+                 *([r.get("verify_checks"), r.get("verify_mismatches")] if verified else []), r["errors"]]
         rows.append("| " + " | ".join(f(c) for c in cells) + " |")
     return "\n".join(rows)
 
@@ -407,18 +490,12 @@ def run(args: argparse.Namespace) -> int:
     results = _run_all(settings, configs, levels, turns, args, work, allowed)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    checks = ratios(results, reference)
+    checks = ratios(results, reference, args.block_tokens)
     print()
     print(markdown(results))
     print()
     for c in checks:
-        shown = f"{c['value']:.3f}" + (f" (TTFT change {c['value'] - 1:+.0%})" if "TTFT" in c["target"] else "")
-        if c["bound"] is None:  # a comparison printed for reference, with no bound
-            print(f"- c={c['concurrency'] or 'ts'} {c['config']}: {c['target']}: {shown}")
-            continue
-        print(f"- c={c['concurrency'] or 'ts'} {c['config']}: {c['target']}: {shown}, target "
-              f"{'<=' if 'TTFT' in c['target'] else '>='} {c['bound']} -> "
-              f"{'reference' if c['met'] is None else 'met' if c['met'] else 'MISSED'}")
+        print(check_line(c))
     if args.plot:
         plot(results, args.plot, header[0].lstrip("# "))
         print(f"plot: {args.plot}")
@@ -435,6 +512,20 @@ def run(args: argparse.Namespace) -> int:
                                 "time_scale": args.time_scale if args.timestamps else None}}
         print(json.dumps(summary))
     return 0 if all(r["errors"] == 0 for r in results) else 1
+
+
+def check_line(c: dict[str, Any]) -> str:
+    """One printed comparison: its value, and its bound and verdict when it has one."""
+    value = c["value"]
+    shown = (str(value) if isinstance(value, int) else f"{value:+.4f}" if c.get("op") == "|x| <=" else f"{value:.3f}")
+    shown += f" (TTFT change {value - 1:+.0%})" if "TTFT" in c["target"] else ""
+    shown += f" ({c['note']})" if c.get("note") else ""
+    line = f"- c={c['concurrency'] or 'ts'} {c['config']}: {c['target']}: {shown}"
+    if c["bound"] is None:  # a comparison printed for reference, with no bound
+        return line
+    op = c.get("op") or ("<=" if "TTFT" in c["target"] else ">=")
+    return (f"{line}, target {op} {c['bound']} -> "
+            f"{'reference' if c['met'] is None else 'met' if c['met'] else 'MISSED'}")
 
 
 def _run_all(s: engines.Settings, configs: list[str], levels: list[int | None], turns: list[Turn],
@@ -462,7 +553,7 @@ def _run_all(s: engines.Settings, configs: list[str], levels: list[int | None], 
                 try:
                     with engines.launch(s, config, work / name) as ep:
                         ep.send_now(warm, 4)
-                        before = ep.tier_counts()
+                        before, before_verify = ep.tier_counts(), verify_counts(ep)
                         bar.set_description(name)
                         start = time.perf_counter()
                         rec = (replay_timestamps(ep, turns, args.time_scale, tick) if level is None
@@ -471,9 +562,10 @@ def _run_all(s: engines.Settings, configs: list[str], levels: list[int | None], 
                         rec.dump(work / name / "requests.jsonl")
                         time.sleep(1.0)  # the engine's stats reach /metrics after its next step
                         after = ep.tier_counts()
+                        verified = _verified(ep, warm[:7], before_verify)
                     tiers = ({k: v - before.get(k, 0.0) for k, v in after.items()} if after is not None
                              and before is not None else {})
-                    results.append(summarize(config, level, rec, wall, tiers))
+                    results.append(summarize(config, level, rec, wall, tiers, verified))
                 except Exception as e:  # a server that cannot start fails its run, not the bench
                     log.error("%s: %s", name, e)
                     log.debug("%s", traceback.format_exc())
@@ -482,3 +574,37 @@ def _run_all(s: engines.Settings, configs: list[str], levels: list[int | None], 
     finally:
         bar.close()
     return results
+
+
+def _verified(ep: engines.Endpoint, flush: list[int], before: dict[str, float] | None) -> dict[str, float] | None:
+    """The run's verified blocks and mismatches (``verify_counts`` since ``before``). A
+    block is compared once every writer reported its copy, which may be after the last request's
+    step: one more untimed request (``flush``: shorter than a block, so nothing of it can hit or be
+    verified; sent after the tier counts were read) gives the engine the steps that report it."""
+    if before is None:
+        return None
+    with contextlib.suppress(Exception):  # an I/O edge: the counts are read all the same
+        ep.send_now(flush, 2)
+    time.sleep(1.0)
+    after = verify_counts(ep)
+    return None if after is None else {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def verify_counts(ep: engines.Endpoint) -> dict[str, float] | None:
+    """Cumulative verified blocks and mismatches of ``ep`` (``verify_series``); None where
+    ``Endpoint.scrape`` gives nothing (SGLang, a dead server)."""
+    text = ep.scrape()
+    return None if text is None else verify_series(text)
+
+
+def verify_series(metrics_text: str) -> dict[str, float]:
+    """``kvstrata_verify_checks_total`` and ``kvstrata_verify_mismatches_total`` from a Prometheus
+    scrape, summed per tier under the store's counter names (``verify_checks_l1``, ...)."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        for name in VERIFY_SERIES:
+            if line.startswith(f"kvstrata_{name}_total{{"):
+                labels, value = line.rsplit(" ", 1)
+                tier = labels.split('tier="', 1)[1].split('"', 1)[0] if 'tier="' in labels else "all"
+                out[f"{name}_{tier}"] = out.get(f"{name}_{tier}", 0.0) + float(value)
+    return out

@@ -4,8 +4,11 @@ Every configuration of one engine gets the same command line (block/page size, d
 size, context length, dtype, seed) and the same environment; only the KV connector or storage
 backend differs. Each run gets fresh store folders under its own work folder, so no run warms
 another. ``Endpoint`` is the small interface the replay uses: ``send`` one streamed request, and
-``tier_counts`` (vLLM's ``/metrics``; SGLang reports tiers per request instead). Requests are async
-(``kvstrata.tools.client``): the replay runs every one on one event loop.
+``tier_counts`` (vLLM's ``/metrics``, ``scrape``; SGLang reports tiers per request instead).
+Requests are async (``kvstrata.tools.client``): the replay runs every one on one event loop.
+
+Verified hits: every kvstrata configuration runs with ``verify.sample_rate`` 0 (the cache's own
+figures); ``STRATA_L1L2`` beyond ``strata-l1l2`` is the same server at another rate.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from kvstrata.tools.client import astream, session
 from kvstrata.tools.serving import Server, cached_by_source, free_port, listening, request, vllm_command
 from benchmarks import ttft
 
-CONFIGS = ("baseline", "hicache", "strata-l1l2", "strata-remote", "peer", "lmcache", "disagg")
+# kvstrata's CPU + disk tiers, by their verify.sample_rate: configurations that differ in that key alone
+STRATA_L1L2 = {"strata-l1l2": 0.0, "strata-verify-0.01": 0.01, "strata-verify-1": 1.0}
+CONFIGS = ("baseline", "hicache", *STRATA_L1L2, "strata-remote", "peer", "lmcache", "disagg")
 # SGLang only: HiCache's host pool with no storage backend, what SGLang's own hierarchy gives
 SGLANG_ONLY = ("hicache",)
 
@@ -116,14 +121,22 @@ class Endpoint:
         server cannot be asked (it died: its requests already count as errors)."""
         if self.engine != "vllm":
             return {}
+        text = self.scrape()
+        return None if text is None else cached_by_source(text)
+
+    def scrape(self) -> str | None:
+        """vLLM's ``/metrics``; None for SGLang (kvstrata's series are vLLM's) or a dead server."""
+        if self.engine != "vllm":
+            return None
         try:
-            return cached_by_source(request("GET", (self.metrics_url or self.url) + "/metrics", timeout=30).decode())
+            return request("GET", (self.metrics_url or self.url) + "/metrics", timeout=30).decode()
         except OSError:
             return None
 
 
-def strata_yaml(path: Path, s: Settings, folder: Path, remote: str | None) -> Path:
-    lines = ["l1:", f"  size: {s.l1_size}", "l2:"]
+def strata_yaml(path: Path, s: Settings, folder: Path, remote: str | None, verify: float = 0.0) -> Path:
+    """kvstrata's YAML: CPU tier, disk or (``remote``) shared tier, ``verify.sample_rate`` (even 0)."""
+    lines = ["verify:", f"  sample_rate: {verify:g}", "l1:", f"  size: {s.l1_size}", "l2:"]
     if remote:  # the shared tier stands in for the disk tier
         lines += ["  enabled: false", "remote:", "  enabled: true", "  backend: redis", f"  url: {remote}"]
     else:
@@ -198,8 +211,8 @@ def _vllm(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack) -
         return _disagg(s, folder, stack)
     env = common_env(s)
     kv: dict[str, Any] | None = None
-    if config == "strata-l1l2":
-        kv = ttft.strata_transfer_config(strata_yaml(folder / "kvstrata.yaml", s, folder, None))
+    if config in STRATA_L1L2:
+        kv = ttft.strata_transfer_config(strata_yaml(folder / "kvstrata.yaml", s, folder, None, STRATA_L1L2[config]))
     elif config == "strata-remote":
         url = stack.enter_context(redis_server(s.redis_url, folder / "redis"))
         kv = ttft.strata_transfer_config(strata_yaml(folder / "kvstrata.yaml", s, folder, url))
@@ -257,9 +270,9 @@ def _sglang(s: Settings, config: str, folder: Path, stack: contextlib.ExitStack)
     if config != "baseline":
         args += ["--enable-hierarchical-cache", "--hicache-ratio", f"{s.hicache_ratio:g}",
                  "--hicache-storage-prefetch-policy", "wait_complete"]
-    if config in ("strata-l1l2", "strata-remote"):
+    if config in STRATA_L1L2 or config == "strata-remote":
         url = stack.enter_context(redis_server(s.redis_url, folder / "redis")) if config == "strata-remote" else None
-        kvstrata = strata_yaml(folder / "kvstrata.yaml", s, folder, url)
+        kvstrata = strata_yaml(folder / "kvstrata.yaml", s, folder, url, STRATA_L1L2.get(config, 0.0))
         plugin = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
                   "class_name": "StrataStorage", "interface_v1": 1,
                   "config_file": str(kvstrata)}

@@ -222,3 +222,64 @@ def test_disagg_configs_and_their_comparisons():
     assert pd["prompt tokens the decode server computed"]["value"] == 0.05
     whole = pd["decode legs that computed only the prompt's last token"]
     assert whole["value"] == 0.9 and whole["bound"] == 0.95 and whole["met"] is False
+
+
+def test_verify_configs_differ_from_strata_l1l2_only_in_the_sample_rate(tmp_path):
+    """strata-l1l2 writes ``verify.sample_rate: 0`` (not the default 0.001), so rate 0 is measured."""
+    from benchmarks import serve_engines as engines
+    from kvstrata.config import load_config
+
+    s = engines.Settings("vllm", "m", 64, 1536, 1056, 1056, "auto", "2GiB", None, tmp_path, None, 60, 60)
+    texts = {}
+    for config, rate in engines.STRATA_L1L2.items():
+        path = engines.strata_yaml(tmp_path / f"{config}.yaml", s, tmp_path, None, rate)
+        assert load_config(path).verify.sample_rate == rate
+        texts[config] = path.read_text().replace(f"sample_rate: {rate:g}", "")
+    assert len(set(texts.values())) == 1 and set(engines.STRATA_L1L2) <= set(engines.CONFIGS)
+    assert engines.STRATA_L1L2["strata-l1l2"] == 0
+
+
+def test_verify_series_are_summed_per_tier_from_a_scrape():
+    text = "\n".join([
+        '# HELP kvstrata_verify_checks_total x',
+        'kvstrata_verify_checks_total{engine="0",model_name="m",tier="l1"} 5.0',
+        'kvstrata_verify_checks_total{engine="1",model_name="m",tier="l1"} 2.0',
+        'kvstrata_verify_checks_total{engine="0",model_name="m",tier="l2"} 1.0',
+        'kvstrata_verify_mismatches_total{engine="0",model_name="m",tier="l2"} 1.0',
+        'kvstrata_verify_checks_created{engine="0",model_name="m",tier="l1"} 1.7e9'])
+    assert serve.verify_series(text) == {"verify_checks_l1": 7.0, "verify_checks_l2": 1.0,
+                                         "verify_mismatches_l2": 1.0}
+    row = serve.verify_fields("strata-verify-1", serve.verify_series(text))
+    assert row["verify_checks"] == 8 and row["verify_mismatches"] == 1 and row["verify_sample_rate"] == 1.0
+    assert row["verify_checks_by_tier"] == {"l1": 7, "l2": 1}
+    assert serve.verify_fields("baseline", None)["verify_checks"] is None
+
+
+def test_verified_hits_are_judged_beside_rate_0_up_to_001_and_reported_as_a_cost_above():
+    def row(config: str, rate: float, req_s: float, hit: float, checks: int, mismatches: int = 0) -> dict:
+        return {"config": config, "concurrency": 8, "throughput_req_s": req_s, "ttft_p50_ms": 100.0 / req_s,
+                "hit_rate": hit, "prompt_tokens": 64_000, "tokens_per_tier": {"host": 32_000, "device": 4_000},
+                "verify_sample_rate": rate, "verify_checks": checks, "verify_mismatches": mismatches}
+
+    results = [row("strata-l1l2", 0.0, 1.0, 0.5625, 0), row("strata-verify-0.01", 0.01, 0.99, 0.5575, 5),
+               row("strata-verify-1", 1.0, 0.8, 0.0625, 500, 1)]
+    checks = {(c["config"], c["target"]): c for c in serve.verify_ratios(results, 64)}
+    sampled = {t: c for (config, t), c in checks.items() if config == "strata-verify-0.01"}
+    assert sampled["throughput vs strata-l1l2 (verify 0)"]["value"] == 0.99
+    assert sampled["throughput vs strata-l1l2 (verify 0)"]["met"] is True  # >= 0.98
+    hit = sampled["hit rate change vs strata-l1l2 (verify 0)"]
+    assert hit["value"] == -0.005 and hit["met"] is True and hit["bound"] == 0.01
+    assert hit["expected"] == -0.005  # 0.01 x 32,000 / 64,000 served by kvstrata at rate 0
+    assert hit["verified_share"] == 0.005  # 5 blocks of 64 tokens of 64,000
+    assert sampled["blocks verified"]["bound"] is None and sampled["verify mismatches"]["met"] is True
+    cost = {t: c for (config, t), c in checks.items() if config == "strata-verify-1"}
+    assert cost["throughput vs strata-l1l2 (verify 0)"]["value"] == 0.8
+    assert cost["throughput vs strata-l1l2 (verify 0)"]["bound"] is None  # the cost, not a target
+    assert cost["TTFT p50 vs strata-l1l2 (verify 0)"]["value"] == 1.25
+    assert cost["blocks verified"]["met"] is True and cost["verify mismatches"]["met"] is False
+    assert not [c for c in serve.verify_ratios(results[:1], 64)]  # rate 0 alone: nothing to compare
+    slow = serve.verify_ratios([results[0], dict(results[1], throughput_req_s=0.97)], 64)
+    assert next(c for c in slow if c["target"].startswith("throughput"))["met"] is False
+    lines = [serve.check_line(c) for c in serve.verify_ratios(results, 64)]
+    assert any("-0.0050 (0.5625 -> 0.5575, expected -0.0050" in line and "-> met" in line for line in lines)
+    assert any(line.endswith("verify mismatches: 1, target == 0 -> MISSED") for line in lines)

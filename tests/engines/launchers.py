@@ -139,6 +139,25 @@ class EngineFailed(AssertionError):
     pass
 
 
+def unsampled(config: Path | None) -> Path | None:
+    """``config``, or where it names no ``verify`` section a copy beside it with
+    ``verify.sample_rate: 0``: the suite's engines verify no hit unless a test asks (at the default
+    0.001 one request in a thousand would lose its hit, and a test asserting that hit would fail
+    once in a few runs). Tests of verified hits set ``verify`` themselves."""
+    if config is None:
+        return None
+    text = Path(config).read_text()
+    if "verify" in text:
+        return config
+    if text.lstrip().startswith("{"):  # a JSON config
+        text = json.dumps({**json.loads(text), "verify": {"sample_rate": 0}})
+    else:
+        text = text.rstrip("\n") + "\nverify:\n  sample_rate: 0\n"
+    out = Path(config).with_name(Path(config).name + ".unsampled.yaml")
+    out.write_text(text)
+    return out
+
+
 class StepEngine:
     """One offline vLLM engine (``vllm_steps.py``) in a process group of its own, launched at once.
 
@@ -160,7 +179,8 @@ class StepEngine:
         log_dir.mkdir(parents=True, exist_ok=True)
         tag = f"{name}-{os.urandom(3).hex()}"
         spec = log_dir / f"{tag}.json"
-        spec.write_text(json.dumps({"model": model, "config": str(config) if config else None, "mp": mp, "tp": tp,
+        run_config = unsampled(config)
+        spec.write_text(json.dumps({"model": model, "config": str(run_config) if run_config else None, "mp": mp, "tp": tp,
                                     "block_size": block_size, "module_path": module_path, "dtype": dtype,
                                     "speculative": speculative, "pp": pp, "compilation": compilation,
                                     **options}))
@@ -377,7 +397,7 @@ class VllmServer(serving.Server):
     def __init__(self, model: str, log_path: Path, config: Path | None = None, *, env: dict[str, str] | None = None,
                  extra: list[str] | None = None, block_size: int = BS, timeout: float = 600) -> None:
         port = serving.free_port()
-        kv = serving.strata_transfer_config(str(config)) if config else None
+        kv = serving.strata_transfer_config(str(unsampled(config))) if config else None
         super().__init__(serving.vllm_command(model, port, kv, block_size=block_size, extra=extra), log_path, port,
                          env={"VLLM_SERVER_DEV_MODE": "1", **(env or {})}, timeout=timeout)
         self.model = model
@@ -426,7 +446,9 @@ def sglang_config(path: Path, l2: Path, *, v1: bool = True, **extra: Any) -> Pat
     cfg = {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang",
            "class_name": "StrataStorage", "interface_v1": int(v1),
            "hicache_storage_pass_prefix_keys": True,  # passed, and ignored: see StrataStorage
-           "l1": {"size": "256MiB"}, "l2": {"path": str(l2)}, **extra}
+           "l1": {"size": "256MiB"}, "l2": {"path": str(l2)},
+           "verify": {"sample_rate": 0},  # no hit verified unless a test asks (``unsampled``)
+           **extra}
     path.write_text(json.dumps(cfg))
     return path
 

@@ -54,7 +54,7 @@ def make_storage(tmp: Path, layout: str = "layer_first", *, v1: bool = True, mla
     config = storage_config(
         {"backend_name": "kvstrata", "module_path": "kvstrata.adapters.sglang", "class_name": "StrataStorage",
          "interface_v1": int(v1), "l1": {"size": "16MiB"}, "l2": {"path": str(tmp / "l2")},
-         "namespace": {"model_version": "v1"}, **extra},
+         "namespace": {"model_version": "v1"}, "verify": {"sample_rate": 0}, **extra},
         model_name="tiny-test", tp_rank=tp_rank, tp_size=2 if mla else 1, mla=mla,
         page_first=layout == "page_first")
     storage = StrataStorage(config, {})

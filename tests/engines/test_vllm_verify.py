@@ -3,8 +3,9 @@ hit computes its prefix instead, and the blocks it computes are compared with th
 
 One engine (the tiny dense model, in-process EngineCore, L1 and L2), in order:
 
-1. honest traffic: prompts stored, vLLM's own prefix cache reset, the prompts again in one batch:
-   100+ blocks verified, none mismatched, the outputs those of the same batch computed cold;
+1. honest traffic: 104 prompts stored, vLLM's own prefix cache reset, the prompts again in one
+   batch: 104 verified requests (208 blocks), none mismatched, the outputs those of the same batch
+   computed cold;
 2. a planted block: another prompt's KV written through the store API under a victim's keys
    (valid checksums): the victim's request is answered as vLLM alone answers, every planted block
    is counted as a mismatch and deleted, and the next verification of the victim is clean;
@@ -21,14 +22,14 @@ from __future__ import annotations
 
 import pytest
 
-from engines.launchers import BS, StepEngine, delta, disk_config, gen, ids, salt
+from engines.launchers import BS, StepEngine, delta, disk_config, gen, ids, salt, tiny_model
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(900)
 
-HONEST = [ids(700 + i, 10 * BS + 7) for i in range(12)]  # 12 prompts of 10 full blocks and a tail
-DONOR, VICTIM = ids(720, 6 * BS), ids(721, 6 * BS + 3)
-STALE = ids(722, 8 * BS)
+HONEST = [ids(700 + i, 2 * BS + 7) for i in range(104)]  # 104 prompts of 2 full blocks and a tail
+DONOR, VICTIM = ids(920, 6 * BS), ids(921, 6 * BS + 3)  # seeds apart from HONEST's: no shared prefix
+STALE = ids(922, 8 * BS)
 
 
 def mismatches(c: dict) -> int:
@@ -41,6 +42,7 @@ def checks(c: dict) -> int:
 
 def test_verified_hits_pass_honest_blocks_and_catch_planted_and_stale_ones(model, tmp_path, baseline):
     cfg = disk_config(tmp_path, verify="{sample_rate: 1.0}")
+    cfg.write_text(cfg.read_text().replace("128MiB", "512MiB"))  # the honest prompts evict nothing
     with StepEngine(model, tmp_path, cfg, name="verify") as engine:
         # 1. honest traffic
         (first,) = engine.run([{"op": "generate", "prompts": HONEST, "max_tokens": 4}])
@@ -49,7 +51,7 @@ def test_verified_hits_pass_honest_blocks_and_catch_planted_and_stale_ones(model
         (again,) = engine.run([{"op": "generate", "prompts": HONEST, "max_tokens": 4}])
         (after,) = engine.run([{"op": "counters"}])
         d = delta(after, before)
-        assert checks(d) >= 100, d  # every full block of every prompt, each computed by the engine again
+        assert checks(d) == 2 * len(HONEST), d  # every full block of every prompt, computed by the engine again
         assert mismatches(d) == 0, d
         # as the same batch computed cold (vLLM alone may batch otherwise, and a tiny random model's
         # greedy tokens are near ties that another batch can flip)
@@ -101,3 +103,30 @@ def test_without_verification_the_planted_block_and_the_stale_weights_are_served
         stale, fresh = engine.run([gen(STALE), gen(STALE, salt=salt())])
         assert stale["cached"] >= 8 * BS - 1 and stale["tokens"] != fresh["tokens"]
         assert not checks(engine.run([{"op": "counters"}])[0])
+
+
+# The other model kinds of the suite: (engine dtype, block size, prompts, tokens each). MLA: vLLM's CPU
+# MLA backend takes block size 16 and no chunked prefill; hybrids: each KV cache group's blocks are
+# compared (full attention, sliding window, SSM states at block boundaries), bf16 for the SSM (the
+# only dtype vLLM's CPU GDN kernel takes).
+KINDS = {"mla": ("float32", 16, 8, 16 * 16 + 5), "hybrid-swa": ("float32", 128, 10, 6 * 128 + 5),
+         "hybrid-ssm": ("bfloat16", 128, 15, 8 * 128 + 5)}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_honest_traffic_on_every_model_kind_verifies_clean(kind, tmp_path):
+    """100+ blocks verified at ``sample_rate: 1.0`` on MLA and both hybrids: none mismatched (the
+    tolerances of verify.compare hold on these kernels), every request answered as when it was
+    computed cold in the same batch."""
+    dtype, block_size, n, length = KINDS[kind]
+    prompts = [ids(1000 + i, length) for i in range(n)]
+    cfg = disk_config(tmp_path, verify="{sample_rate: 1.0}")
+    with StepEngine(tiny_model(kind), tmp_path, cfg, name=kind, dtype=dtype, block_size=block_size) as engine:
+        (first,) = engine.run([{"op": "generate", "prompts": prompts, "max_tokens": 4}])
+        engine.run([{"op": "sleep", "s": 1.0}, {"op": "reset", "connector": False}])
+        (before,) = engine.run([{"op": "counters"}])
+        (again,) = engine.run([{"op": "generate", "prompts": prompts, "max_tokens": 4}])
+        d = delta(engine.run([{"op": "counters"}])[0], before)
+    print(f"{kind}: {checks(d)} blocks verified, {mismatches(d)} mismatched; {d}")
+    assert checks(d) >= 100 and mismatches(d) == 0, d
+    assert again["tokens"] == first["tokens"]

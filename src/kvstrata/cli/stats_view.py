@@ -1,7 +1,9 @@
 """cli/stats_view.py: ``kvstrata stats`` for a person (``render``): sizes in binary units
 (``size_text``: ``1.2 GiB``), each namespace named by its model, weights version, KV dtype, layout,
 tenant and key scheme (its descriptor, see ``describe``), whether this store has joined its epoch
-(see ``joins``; a process that only reads stats always has), and the counters that are not zero.
+(see ``joins``; a process that only reads stats always has), its verified hits (``verified_lines``:
+checks, mismatches and the last mismatch, of every process sharing the store, from the namespace's
+verification record), and the counters that are not zero.
 
 It reads only the dict ``BlockStore.stats()`` returns (what ``stats --json`` prints), so the two
 outputs cannot disagree. Namespaces are printed as blocks of lines rather than table columns: a
@@ -10,6 +12,7 @@ model path and a layout are long, and a table squeezed into 80 columns would cut
 
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping
 
 from rich.console import Console
@@ -47,9 +50,13 @@ def render(data: Mapping[str, Any], console: Console) -> None:
                  key=lambda ns_id: (ns_id not in described, described.get(ns_id, {}).get("model", ""), ns_id))
     console.print(Text(f"\nnamespaces: {len(ids)}", style="bold"))
     behind = set(data.get("not_joined", ()))
+    verified = data.get("verified", {})
+    held = {seed[:16] for seed, v in data.get("verify", {}).items() if v.get("quarantined")}  # this process's
     for ns_id in ids:
-        for line in _namespace_lines(ns_id, described.get(ns_id), current.get(ns_id), spaces.get(ns_id, {}),
-                                     ns_id not in behind):
+        lines = _namespace_lines(ns_id, described.get(ns_id), current.get(ns_id), spaces.get(ns_id, {}),
+                                 ns_id not in behind)
+        lines += verified_lines(verified.get(ns_id), ns_id in held)
+        for line in lines:
             console.print(Text(line), soft_wrap=True)  # soft_wrap: a long path stays on one line
     counters = {k: v for k, v in data["counters"].items() if v}
     if counters:
@@ -101,4 +108,23 @@ def _namespace_lines(ns_id: str, d: Mapping[str, Any] | None, epoch: str | None,
                   f"    keys       {d.get('key_scheme', 'xxh3')}",  # a descriptor from before schemes: xxh3
                   f"    engine     {d['engine']}: {d['block_size']}-token blocks, "
                   f"rank {d['rank']} of {d['world_size']}{extra}"]
+    return lines
+
+
+def verified_lines(record: Mapping[str, Any] | None, quarantined: bool = False) -> list[str]:
+    """A namespace's verified hits (``stats()["verified"]``, see ``verify/record.py``): nothing
+    before its first check."""
+    lines = []
+    if record and record["checks"]:
+        n, bad = record["checks"], record["mismatches"]
+        lines.append(f"    verified   {_blocks(n)} checked against the engine's own computation, "
+                     f"{bad} {'mismatch' if bad == 1 else 'mismatches'}")
+        last = record.get("last_mismatch")
+        if last:
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(last["time"]))
+            error = "not finite" if last["error"] is None else f"{last['error']:.3g}"
+            lines.append(f"    mismatch   last {when}: block {last['key']} from {last['tier']}, error {error} > "
+                         f"tolerance {last['tolerance']:.3g} (segment {last['segment']}); deleted")
+    if quarantined:
+        lines.append("    quarantine this process serves none of it until its epoch changes (verify.on_mismatch)")
     return lines

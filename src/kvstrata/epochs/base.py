@@ -2,7 +2,8 @@
 ``joined``; ``MemoryEpochs``; ``PolledEpochs`` in ``epochs/polled.py``, the rules of epochs other
 processes change) and ``Retired``, the epochs seen replaced. Bumping an epoch hides every older
 entry of that namespace at once. Each store also keeps the namespaces' descriptors (``describe``,
-``descriptor``; see ``epochs/descriptors.py``) beside the epochs.
+``descriptor``; see ``epochs/descriptors.py``) and verification records (``record_verify``,
+``verify_record``; see ``verify/record.py``) beside the epochs.
 
 An epoch is a random non-zero 64-bit id, not a counter. The current epoch is part of block -1's
 key (see keys.root_key), so after a bump no key of an older epoch is ever computed again, and the
@@ -45,8 +46,6 @@ from abc import ABC, abstractmethod
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
-
-from kvstrata.epochs.descriptors import MAX_BYTES as _MAX_DESCRIPTOR, SUFFIX as _DESCRIPTOR_SUFFIX
 
 log = logging.getLogger(__name__)
 MAX_EPOCH = (1 << 64) - 1
@@ -182,24 +181,6 @@ def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
         raise
 
 
-def read_descriptor(root: Path, ns_seed: bytes) -> bytes | None:
-    """A namespace's descriptor file in ``root`` as stored (untrusted, at most one byte over the
-    limit, so that an oversized one shows): None if there is none, ``b""`` if what is there is
-    not a readable regular file (a planted link, FIFO or folder)."""
-    try:
-        return read_head(root / f"{ns_seed.hex()}{_DESCRIPTOR_SUFFIX}", _MAX_DESCRIPTOR + 1)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return b""
-
-
-def write_descriptor(root: Path, ns_seed: bytes, blob: bytes, mode: int) -> None:
-    """Replace the descriptor file atomically, unless it already holds ``blob``. Raises OSError."""
-    if read_descriptor(root, ns_seed) != blob:  # every instance describes at start: write once
-        write_atomic(root / f"{ns_seed.hex()}{_DESCRIPTOR_SUFFIX}", blob.decode("ascii"), mode)
-
-
 class Reset(NamedTuple):
     """What an engine reset did (``EpochStore.reset``)."""
 
@@ -257,6 +238,16 @@ class EpochStore(ABC):
     def descriptor(self, ns_seed: bytes) -> bytes | None:
         """The descriptor kept for a namespace, as stored: untrusted, ``describe.decode`` it."""
 
+    def record_verify(self, ns_seed: bytes, blob: bytes) -> bool:
+        """Replace a namespace's verification record (``verify.record.encode``) beside its epoch.
+        Never raises: False when not written (logged; it costs the record, not hits)."""
+        return False
+
+    def verify_record(self, ns_seed: bytes) -> bytes | None:
+        """The verification record kept for a namespace, as stored (None: none): untrusted, decode it.
+        Raises ``OSError`` when unreadable: whoever adds to it must not replace unread totals."""
+        return None
+
     def close(self) -> None:
         """Stop background work (subscribers); epochs already written stay."""
 
@@ -268,6 +259,7 @@ class MemoryEpochs(EpochStore):
         self._lock = threading.Lock()
         self._epochs: dict[bytes, int] = {}
         self._descriptors: dict[bytes, bytes] = {}
+        self._records: dict[bytes, bytes] = {}
 
     def get(self, ns_seed: bytes) -> int:
         with self._lock:
@@ -297,3 +289,12 @@ class MemoryEpochs(EpochStore):
     def descriptor(self, ns_seed: bytes) -> bytes | None:
         with self._lock:
             return self._descriptors.get(ns_seed)
+
+    def record_verify(self, ns_seed: bytes, blob: bytes) -> bool:
+        with self._lock:
+            self._records[ns_seed] = blob
+            return True
+
+    def verify_record(self, ns_seed: bytes) -> bytes | None:
+        with self._lock:
+            return self._records.get(ns_seed)

@@ -1,5 +1,5 @@
 """epochs/descriptors.py: namespace descriptors, what a namespace id stands for (``encode``, ``decode``,
-``matches_model``), so that ``kvstrata stats`` names the model and ``kvstrata invalidate --model``
+``matches_model``; in a folder ``read_descriptor``, ``write_descriptor``), so that ``kvstrata stats`` names the model and ``kvstrata invalidate --model``
 finds its namespaces.
 
 The store knows a namespace only by its seed, a hash of every field of ``keys.Namespace``. An
@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, fields
+from pathlib import Path
 
+from kvstrata.epochs.base import read_head, write_atomic
 from kvstrata.keys import LEGACY_KEY_SCHEME, SCHEMES, Namespace
 
 MAX_BYTES = 16 * 1024  # a namespace's fields are well under 1 KiB; a model path is at most 4 KiB
@@ -79,3 +81,21 @@ def matches_model(ns: Namespace, wanted: str) -> bool:
         return os.path.samefile(wanted, ns.model)
     except OSError:
         return False
+
+
+def read_descriptor(root: Path, ns_seed: bytes) -> bytes | None:
+    """A namespace's descriptor file in ``root`` as stored (untrusted, at most one byte over the
+    limit, so that an oversized one shows): None if there is none, ``b""`` if what is there is
+    not a readable regular file (a planted link, FIFO or folder)."""
+    try:
+        return read_head(root / f"{ns_seed.hex()}{SUFFIX}", MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return b""
+
+
+def write_descriptor(root: Path, ns_seed: bytes, blob: bytes, mode: int) -> None:
+    """Replace the descriptor file atomically, unless it already holds ``blob``. Raises OSError."""
+    if read_descriptor(root, ns_seed) != blob:  # every instance describes at start: write once
+        write_atomic(root / f"{ns_seed.hex()}{SUFFIX}", blob.decode("ascii"), mode)

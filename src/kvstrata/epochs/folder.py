@@ -2,11 +2,14 @@
 process that shares it reads and writes: L2's ``epochs/`` (the processes of one host) or the
 shared folder's (``remote.backend: fs``, every host that mounts it).
 
+Beside each epoch file ``<seed hex>``: ``<seed hex>.json``, the namespace's descriptor, and
+``<seed hex>.verify``, its verification record (``verify/record.py``).
+
 With a secret (``auth``: the shared folder's always, L2's with ``l2.authenticate``), an epoch
-file holds ``<epoch>:<tag hex>`` and a descriptor ``<json>\n<tag hex>``, each MAC bound to the
-namespace and the folder's kind (``domain``). An epoch that fails is lost state (a fresh epoch),
-a descriptor that fails is absent; both are counted (``<counter_prefix>_auth_epochs``,
-``_auth_descriptors``, and ``_auth_failures``).
+file holds ``<epoch>:<tag hex>``, a descriptor or a record ``<json>\n<tag hex>``, each MAC bound to
+the namespace and the folder's kind (``domain``). An epoch that fails is lost state (a fresh epoch),
+a descriptor or a record that fails is absent; each is counted (``<counter_prefix>_auth_epochs``,
+``_auth_descriptors``, records among the descriptors, and ``_auth_failures``).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kvstrata.format.auth import Auth
-from kvstrata.epochs.base import (Retired, new_epoch, parse_epoch, read_descriptor, read_head,
-                      temp_name, write_atomic, write_descriptor, write_new)
+from kvstrata.format.block import TAG_SIZE
+from kvstrata.epochs.base import Retired, new_epoch, parse_epoch, read_head, temp_name, write_atomic, write_new
+from kvstrata.epochs.descriptors import read_descriptor, write_descriptor
 from kvstrata.epochs.polled import PolledEpochs, T
 from kvstrata.metrics import Counters
 from kvstrata.tiers.folder import make_folder
+from kvstrata.verify.record import MAX_BYTES as _MAX_RECORD
 
 log = logging.getLogger(__name__)
 _LOCK_WAIT_S = 2.0  # a change that cannot take the lock this long fails (it stays pending, retried)
@@ -241,6 +246,35 @@ class FileEpochs(PolledEpochs):
         if blob is None:
             self._count("auth_descriptors")
             log.warning("kvstrata epochs: the descriptor of namespace %s in %s fails its MAC; ignored",
+                        ns_seed.hex(), self._root)
+        return blob
+
+    def record_verify(self, ns_seed: bytes, blob: bytes) -> bool:
+        if self._auth is not None:
+            blob = self._auth.seal_text(b"verify:" + self._domain.encode(), ns_seed.hex(), blob, b"\n")
+        try:  # replaces a planted link or FIFO itself, never what it points to
+            write_atomic(self._root / f"{ns_seed.hex()}.verify", blob.decode("ascii"), self._file_mode)
+        except OSError as e:
+            log.warning("kvstrata epochs: cannot record the verified hits of namespace %s in %s: %s", ns_seed.hex(),
+                        self._root, e)
+            return False
+        return True
+
+    def verify_record(self, ns_seed: bytes) -> bytes | None:
+        """``b""`` for what is not a regular file (a planted link, FIFO or folder): not a record."""
+        path = self._root / f"{ns_seed.hex()}.verify"
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                return b""
+        except FileNotFoundError:
+            return None
+        raw = read_head(path, _MAX_RECORD + 2 + 2 * TAG_SIZE)  # one byte over a sealed record's limit
+        if self._auth is None:
+            return raw
+        blob = self._auth.open_text(b"verify:" + self._domain.encode(), ns_seed.hex(), raw, b"\n")
+        if blob is None:
+            self._count("auth_descriptors")
+            log.warning("kvstrata epochs: the verification record of namespace %s in %s fails its MAC; ignored",
                         ns_seed.hex(), self._root)
         return blob
 

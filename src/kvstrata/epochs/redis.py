@@ -1,14 +1,15 @@
 """epochs/redis.py: ``RedisEpochs``, the namespace epochs (``epochs``) of the Redis
 tier: one key per namespace, ``P:epoch:<ns hex>``, and bumps announced on ``P:epochs`` (``P`` is
 ``remote.key_prefix``). Beside each, ``P:ns:<ns hex>`` holds the namespace's descriptor (see
-``describe``), so that ``kvstrata stats`` on any host names the model.
+``describe``), so that ``kvstrata stats`` on any host names the model, and ``P:verify:<ns hex>``
+its verification record (``verify/record.py``: Redis's copy only, no floor).
 
 With a secret (``auth``), ``P`` is the secret's key space (``RedisTier.prefix``) and every value
-carries a MAC bound to its name: an epoch is ``<epoch>:<tag hex>``, a descriptor ``<json>\n<tag
-hex>``, an announcement ``<ns hex>:<tag hex>``. An epoch that fails its MAC is lost state (a fresh
-epoch, ``remote_auth_epochs``); a descriptor that fails is absent (``remote_auth_descriptors``); an
-announcement that fails is ignored (``remote_auth_messages``). Each also counts in
-``remote_auth_failures``.
+carries a MAC bound to its name: an epoch is ``<epoch>:<tag hex>``, a descriptor or a record
+``<json>\n<tag hex>``, an announcement ``<ns hex>:<tag hex>``. An epoch that fails its MAC is lost
+state (a fresh epoch, ``remote_auth_epochs``); a descriptor or a record that fails is absent
+(``remote_auth_descriptors``); an announcement that fails is ignored (``remote_auth_messages``).
+Each also counts in ``remote_auth_failures``.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ from pathlib import Path
 from typing import Callable
 
 from kvstrata.config import RemoteConfig
-from kvstrata.epochs.descriptors import MAX_BYTES as _MAX_DESCRIPTOR
-from kvstrata.epochs.base import Retired, new_epoch, parse_epoch, read_descriptor, write_descriptor
+from kvstrata.epochs.descriptors import MAX_BYTES as _MAX_DESCRIPTOR, read_descriptor, write_descriptor
+from kvstrata.epochs.base import Retired, new_epoch, parse_epoch
 from kvstrata.epochs.polled import PolledEpochs, T
 from kvstrata.tiers.redis import RedisTier
 from kvstrata.format.block import TAG_SIZE
 from kvstrata.tiers.redis_client import connect, is_wrong_type, service_errors, shown
+from kvstrata.verify.record import MAX_BYTES as _MAX_RECORD
 
 log = logging.getLogger(__name__)
 
 _EPOCH_BYTES = 64  # an epoch is at most 20 digits; read no more than this of an epoch value
+_UNREACHABLE = b"unreachable"  # what the breaker answers ``_get`` when Redis does not (compared by identity)
 
 
 class RedisEpochs(PolledEpochs):
@@ -186,8 +189,32 @@ class RedisEpochs(PolledEpochs):
 
     def descriptor(self, ns_seed: bytes) -> bytes | None:
         """Redis's copy, else the local floor's. A key of another type is counted and skipped."""
-        key = f"{self._p}:ns:{ns_seed.hex()}"
-        limit = _MAX_DESCRIPTOR + (0 if self._auth is None else 1 + 2 * TAG_SIZE)
+        try:
+            raw = self._get(f"{self._p}:ns:{ns_seed.hex()}", b"descriptor", _MAX_DESCRIPTOR, "a namespace descriptor")
+        except OSError:
+            raw = None
+        if raw is None and self._floor is not None:
+            return read_descriptor(self._floor, ns_seed)
+        return raw
+
+    def record_verify(self, ns_seed: bytes, blob: bytes) -> bool:
+        key = f"{self._p}:verify:{ns_seed.hex()}"
+        value = blob if self._auth is None else self._auth.seal_text(b"verify", key, blob, b"\n")
+        if self._tier.breaker.call(lambda: self._tier.client.set(key, value), None) is None:
+            log.warning("kvstrata remote: cannot record the verified hits of namespace %s in Redis (unreachable)",
+                        ns_seed.hex())
+            return False
+        return True
+
+    def verify_record(self, ns_seed: bytes) -> bytes | None:
+        """A key of another type is counted and read as ``b""``: not a record (a write replaces it)."""
+        return self._get(f"{self._p}:verify:{ns_seed.hex()}", b"verify", _MAX_RECORD, "a verification record", b"")
+
+    def _get(self, key: str, kind: bytes, limit: int, what: str, wrong_type: bytes | None = None) -> bytes | None:
+        """A descriptor or record value (``kind``), at most one byte over ``limit``, its MAC checked:
+        None if missing or failing it (counted), ``wrong_type`` for a key of another type (counted).
+        Raises ``OSError`` when Redis does not answer."""
+        limit += 0 if self._auth is None else 1 + 2 * TAG_SIZE
 
         def read() -> bytes | None:
             try:
@@ -195,19 +222,19 @@ class RedisEpochs(PolledEpochs):
             except Exception as e:
                 if not is_wrong_type(e):
                     raise
-                self._tier.reject("remote_wrong_type", "%s is a %s, not a namespace descriptor", key,
-                                  shown(self._tier.client.type(key)))
-                return None
+                self._tier.reject("remote_wrong_type", "%s is a %s, not %s", key, shown(self._tier.client.type(key)),
+                                  what)
+                return wrong_type
 
-        raw = self._tier.breaker.call(read, None)
-        if raw is not None and self._auth is not None:
-            blob = self._auth.open_text(b"descriptor", key, raw, b"\n")
+        raw = self._tier.breaker.call(read, _UNREACHABLE)
+        if raw is _UNREACHABLE:
+            raise OSError(f"{key}: the shared tier (Redis) does not answer")
+        if raw and self._auth is not None:
+            blob = self._auth.open_text(kind, key, raw, b"\n")
             if blob is None:
                 self._tier.auth_failed("remote_auth_descriptors", "%s holds %s, which fails its MAC; ignored",
                                        key, shown(raw))
-            raw = blob
-        if raw is None and self._floor is not None:
-            return read_descriptor(self._floor, ns_seed)
+            return blob
         return raw
 
     def known(self) -> list[bytes]:

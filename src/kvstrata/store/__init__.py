@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from kvstrata.config import StrataConfig
 from kvstrata.store.block_store import BlockStore
-from kvstrata.store.protocol import (Arena, ByteRuns, Comparison, GroupHit, GroupRule, Hit, Reservation, Segment,
-                                     StoreFigures, StoreProtocol)
+from kvstrata.store.protocol import (TOLERANCES, Arena, ByteRuns, Comparison, GroupHit, GroupRule, Hit, Reservation,
+                                     Segment, StoreFigures, StoreProtocol)
 
 __all__ = ["Arena", "BlockStore", "ByteRuns", "Comparison", "GroupHit", "GroupRule", "Hit", "Reservation",
-           "Segment", "StoreFigures", "StoreProtocol", "open_store"]
+           "Segment", "StoreFigures", "StoreProtocol", "TOLERANCES", "open_store"]
 
 
 def open_store(config: StrataConfig | None = None, *, l1_slot_bytes: int = 0,

@@ -364,6 +364,7 @@ class BlockStore(KeyMethods):
         if self._parts.recovery is not None:
             self._parts.recovery.stop()
         self._parts.saver.close()
+        self._verifier.flush()  # what this process verified, into the namespaces' records (kvstrata stats)
         self._parts.epochs.close()
         for tier in self._parts.tiers:
             tier.close()

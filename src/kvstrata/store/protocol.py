@@ -25,7 +25,7 @@ import numpy as np
 
 from kvstrata.index import EntryMeta, Lease
 from kvstrata.keys import BlockChain, Extra, KeyScheme, Namespace
-from kvstrata.verify.compare import Comparison, Segment  # verified hits: a block's layers, a verdict
+from kvstrata.verify.compare import TOLERANCES, Comparison, Segment  # verified hits: a block's layers, a verdict
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
-"""What a store holds, for people and gauges: the namespaces' descriptors read back
-(``descriptors``), bytes and blocks resident per tier (``resident``), what an engine's metrics
-export (``figures``) and ``stats``."""
+"""What a store holds, for people and gauges: the namespaces' descriptors and verification records
+read back (``descriptors``, ``verify_records``), bytes and blocks resident per tier (``resident``),
+what an engine's metrics export (``figures``) and ``stats``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvstrata.epochs.descriptors import decode as decode_descriptor
 from kvstrata.keys import Namespace
 from kvstrata.store.parts import Parts
 from kvstrata.store.protocol import StoreFigures
+from kvstrata.verify.record import Record, decode as decode_record
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,29 @@ def descriptors(parts: Parts, seeds: Iterable[bytes]) -> dict[bytes, Namespace]:
                         "it (damaged, or not written by kvstrata)", seed[:8].hex(), len(raw))
         else:
             out[seed] = ns
+    return out
+
+
+def verify_records(parts: Parts, seeds: Iterable[bytes]) -> dict[bytes, Record]:
+    """The namespaces' verification records (``verify/record.py``: the verified hits of every process
+    sharing the epochs), read back as untrusted input: one that is not a record is skipped, logged
+    and counted (``bad_verify_records``), one that cannot be read is skipped and logged."""
+    out: dict[bytes, Record] = {}
+    for seed in seeds:
+        try:
+            raw = parts.epochs.verify_record(seed)
+        except OSError as e:
+            log.warning("kvstrata: cannot read the verification record of namespace %s: %s", seed[:8].hex(), e)
+            continue
+        if raw is None:
+            continue
+        record = decode_record(raw)
+        if record is None:
+            parts.counters.inc("bad_verify_records")
+            log.warning("kvstrata: ignoring the verification record of namespace %s: %d bytes that are not one "
+                        "(damaged, or not written by kvstrata)", seed[:8].hex(), len(raw))
+        else:
+            out[seed] = record
     return out
 
 
@@ -65,6 +89,7 @@ def stats(parts: Parts) -> dict[str, object]:
     seeds = sorted(set(census.seeds) | set(parts.epochs.known()))
     current = {s[:8].hex(): f"{parts.epochs.get(s):016x}" for s in seeds}
     described = {s[:8].hex(): asdict(ns) for s, ns in descriptors(parts, seeds).items()}
+    verified = {s[:8].hex(): r.as_dict() for s, r in verify_records(parts, seeds).items()}
     behind = sorted(s[:8].hex() for s in parts.epochs.not_joined())
     return {"tiers": tiers, "namespaces": spaces, "current_epochs": current, "not_joined": behind,
-            "descriptors": described, "counters": parts.counters.snapshot()}
+            "descriptors": described, "verified": verified, "counters": parts.counters.snapshot()}

@@ -11,8 +11,10 @@ L1's free slots at once.
 
 Counted per tier the stored block was read from (``verify_checks_<tier>``,
 ``verify_mismatches_<tier>``), per namespace in ``stats()["verify"]`` and in the namespace's
-verification record beside its epoch (``epochs``: ``kvstrata stats`` of any process reads it), and
-each block's worst error is a sample of ``verify_error`` (a histogram).
+verification record beside its epoch (``verify/record.py``; ``kvstrata stats`` of any process reads
+it), and each block's worst error is a sample of ``verify_error`` (a histogram). This process adds
+to the record at once after a mismatch, at most every ``RECORD_EVERY_S`` after checks (at
+``sample_rate`` 1.0 not a write per check), and at ``BlockStore.close`` (``flush``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from kvstrata.store.evict import Evictor
 from kvstrata.store.parts import Parts
 from kvstrata.store.protocol import Reservation
 from kvstrata.verify.compare import TOLERANCES, Comparison, Segment, compare
+from kvstrata.verify.record import Mismatch, Record, decode as decode_record, encode as encode_record, mismatch
 
 log = logging.getLogger(__name__)
+RECORD_EVERY_S = 10.0  # the most often a namespace's record is written for checks alone
 
 # ``verify.tolerances`` names a KV dtype as vLLM's ``kv_cache_dtype`` does
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -44,14 +48,16 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 @dataclass
 class Tally:
-    """One namespace's verification figures in this process."""
+    """One namespace's verification figures in this process (``total``), and the part of them not
+    yet added to its record beside the epoch (``pending``)."""
 
-    checks: int = 0
-    mismatches: int = 0
-    last: dict[str, object] | None = None  # the last mismatch: when, key, tier, error, segment
+    total: Record = Record()
+    pending: Record = Record()
+    written: float = -float("inf")  # time.monotonic() of the last write of the record
 
-    def as_dict(self) -> dict[str, object]:
-        return {"checks": self.checks, "mismatches": self.mismatches, "last_mismatch": self.last}
+    def add(self, checks: int, last: Mismatch | None = None) -> None:
+        delta = Record(checks, int(last is not None), last)
+        self.total, self.pending = self.total.added(delta), self.pending.added(delta)
 
 
 @dataclass
@@ -59,7 +65,9 @@ class Verifier:
     parts: Parts
     evictor: Evictor
     _tallies: dict[bytes, Tally] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # the tallies
+    _writing: threading.Lock = field(default_factory=threading.Lock)  # one read-add-write of a record at a time
+    _failing: bool = False  # a record write failed last time: say so once per failing spell
 
     def __post_init__(self) -> None:
         tolerances = dict(TOLERANCES)
@@ -116,6 +124,7 @@ class Verifier:
                 parts.index.unpin(lease)
         for meta, tier, result in done:  # unpinned: a mismatching block's L1 copy can go at once
             self._count(meta, tier, result)
+        self.record()
         return [result for _meta, _tier, result in done]
 
     def _read(self, meta: EntryMeta, bits: int, out: torch.Tensor) -> str | None:
@@ -136,18 +145,15 @@ class Verifier:
         counters = self.parts.counters
         counters.inc(f"verify_checks_{tier}")
         counters.observe("verify_error", min(result.error, 1e9))
-        with self._lock:
-            tally = self._tallies.setdefault(meta.ns_seed, Tally())
-            tally.checks += 1
         if result.ok:
+            with self._lock:
+                self._tallies.setdefault(meta.ns_seed, Tally()).add(1)
             return
         counters.inc(f"verify_mismatches_{tier}")
         segment = int(result.worst)
-        last = {"time": time.time(), "key": meta.key.hex(), "tier": tier, "error": result.error,
-                "tolerance": result.tolerance, "segment": segment}
+        last = mismatch(time.time(), meta.key, tier, result.error, result.tolerance, segment)
         with self._lock:
-            tally.mismatches += 1
-            tally.last = last
+            self._tallies.setdefault(meta.ns_seed, Tally()).add(1, last)
         removed = self.condemn(meta.key)
         quarantine = self.parts.config.verify.on_mismatch == "quarantine"
         log.error("kvstrata: verified hit MISMATCH: block %s of namespace %s (epoch %d), served from %s, differs "
@@ -187,7 +193,53 @@ class Verifier:
         return removed
 
     def figures(self) -> dict[str, dict[str, object]]:
-        """Per namespace (seed hex): checks, mismatches, the last mismatch, and whether quarantined."""
+        """Per namespace (seed hex) in this process: checks, mismatches, the last mismatch, and
+        whether quarantined. Every process's together: ``stats()["verified"]``, from the records."""
         held = self.parts.quarantine.seeds()
         with self._lock:
-            return {seed.hex(): {**t.as_dict(), "quarantined": seed in held} for seed, t in self._tallies.items()}
+            return {seed.hex(): {**t.total.as_dict(), "quarantined": seed in held} for seed, t in self._tallies.items()}
+
+    # ------------------------------------------------------------ records
+    def record(self, force: bool = False) -> None:
+        """Add what this process verified since its last write to each namespace's record beside
+        its epoch: after a mismatch at once, after checks alone once ``RECORD_EVERY_S`` have passed
+        since the last write, or now with ``force``. Never raises: a failure is logged, and what
+        it would have added waits for the next write."""
+        now = time.monotonic()
+        with self._lock:
+            due = {seed: t.pending for seed, t in self._tallies.items() if t.pending.checks
+                   and (force or t.pending.mismatches or now - t.written >= RECORD_EVERY_S)}
+            for seed in due:
+                self._tallies[seed].pending, self._tallies[seed].written = Record(), now
+        if not due:
+            return
+        with self._writing:  # this process's writers never race each other; other processes may
+            for seed, delta in due.items():
+                if not self._add_to_record(seed, delta):
+                    with self._lock:
+                        tally = self._tallies[seed]
+                        tally.pending = delta.added(tally.pending)
+
+    def flush(self) -> None:
+        """Write what every namespace's record still lacks (``BlockStore.close``)."""
+        self.record(force=True)
+
+    def _add_to_record(self, seed: bytes, delta: Record) -> bool:
+        """Read, add ``delta``, write back. Two processes doing so at once lose one's ``delta``
+        (seconds of its checks): a lock shared by hosts would cost more than the figures are worth."""
+        epochs = self.parts.epochs
+        try:
+            raw = epochs.verify_record(seed)
+            stored = None if raw is None else decode_record(raw)
+            if raw is not None and stored is None:
+                self.parts.counters.inc("bad_verify_records")
+                log.warning("kvstrata: the verification record of namespace %s held %d bytes that are not one "
+                            "(damaged, or not written by kvstrata); replaced, its totals restart here",
+                            seed[:8].hex(), len(raw))
+            written = epochs.record_verify(seed, encode_record((stored or Record()).added(delta)))
+        except OSError as e:  # the I/O edge: the record is for people, never worth an engine step
+            log.log(logging.DEBUG if self._failing else logging.WARNING, "kvstrata: cannot read the verification "
+                    "record of namespace %s (%s); kept for the next write", seed[:8].hex(), e)
+            written = False
+        self._failing = not written
+        return written

@@ -36,6 +36,9 @@ from kvstrata.tools.serving import (Completion, Server, cached_by_source, comple
 
 SETTLE_S = 1.0  # pause before each request, as bench ttft's settle_s: saves run on background threads
 ROUNDS = 3  # copies of the prompt per phase (salts of their own); the table shows the median TTFT
+# The demo times each tier: no request of it is a verified hit (one in a thousand by default would
+# recompute its prefix instead, and show as a miss). docs/consistency.md "Verified hits".
+NO_SAMPLING = {"verify.sample_rate": 0}
 
 
 def _prompt(n: int, seed: int = 7) -> list[int]:
@@ -57,7 +60,7 @@ def run(model: str, config_file: str | None, prompt_tokens: int, dtype: str = "a
     logs = Path(tempfile.mkdtemp(prefix="kvstrata-demo-"))
     def start(n: int) -> Server:
         port = free_port()
-        server = Server(vllm_command(model, port, strata_transfer_config(config_file), extra=["--dtype", dtype]),
+        server = Server(vllm_command(model, port, strata_transfer_config(config_file, NO_SAMPLING), extra=["--dtype", dtype]),
                         logs / f"vllm-{n}.log", port,
                         env={"VLLM_SERVER_DEV_MODE": "1"})  # enables POST /reset_prefix_cache
         console.print(f"  starting vLLM (log: {server.log_path}) ...")

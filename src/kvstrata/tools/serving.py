@@ -96,12 +96,14 @@ def vllm_command(model: str, port: int, kv_transfer_config: dict[str, Any] | Non
     return cmd + (extra or [])
 
 
-def strata_transfer_config(config_file: str | None = None) -> dict[str, Any]:
-    """The launch flag value that enables kvstrata (the plugin registers the name)."""
+def strata_transfer_config(config_file: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The launch flag value that enables kvstrata (the plugin registers the name); ``overrides``:
+    single config keys, dotted (``{"verify.sample_rate": 0}``), over the file's."""
     cfg: dict[str, Any] = {"kv_connector": "StrataConnector", "kv_role": "kv_both",
                            "kv_load_failure_policy": "recompute"}
-    if config_file:
-        cfg["kv_connector_extra_config"] = {"config_file": str(config_file)}
+    extra = {**({"config_file": str(config_file)} if config_file else {}), **(overrides or {})}
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
     return cfg
 
 

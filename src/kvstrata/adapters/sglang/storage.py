@@ -27,6 +27,10 @@ L1 is a cache behind the pool, and pages go through it (copied into L1 slots, th
 Every payload that comes from disk is checksummed by the store: a corrupt or missing page is
 reported as failed (with every page after it) and never served. ``clear()`` bumps the namespace
 epoch, which hides everything stored before, in every process sharing the L2 folder.
+
+Verified hits (``verify.sample_rate``, ``verify.py``): a sampled ``batch_exists`` reports the
+stored pages as not stored, and their write-back is compared with the stored copies instead of
+skipped.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from kvstrata.adapters.versions import check_engine_version
 from kvstrata.adapters.sglang.metrics import StorageSeries, series_labels
 from kvstrata.adapters.sglang.namespace import digests_of, load_strata_config, namespace_for
 from kvstrata.adapters.sglang.pages import PageRows
+from kvstrata.adapters.sglang.verify import Fill, PageChecks
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
@@ -104,6 +109,7 @@ class StrataStorage(HiCacheStorage):
         self.rows: PageRows | None = None
         self.ns: Namespace | None = None
         self.bypass_l1 = False  # set by register_mem_pool_host
+        self.checks: PageChecks | None = None  # verified hits (a writer with verify.sample_rate > 0)
         self._calls = _CallLog()
         self._series: StorageSeries | None = None  # made at the first get_stats with metrics on
         log.info("kvstrata: SGLang storage backend for %s (tp %d/%d, %s interface, writer=%s)",
@@ -122,6 +128,9 @@ class StrataStorage(HiCacheStorage):
                           and self.store.arena.capacity_bytes < self.rows.pool_bytes)
         log.info("kvstrata: namespace %s (%s), %d-byte pages, %s", self.ns.id, self.ns.layout,
                  self.rows.page_bytes, "direct disk I/O" if self.bypass_l1 else "through L1")
+        if self.writer:  # a reader's sampled query would cost hits and compare nothing
+            self.checks = PageChecks.for_pool(self.store, self.rows, mem_pool_host.layout,
+                                              getattr(mem_pool_host, "layer_num", 0), self.config.verify.sample_rate)
 
     def register_mem_host_pool_v2(self, host_pool: "HostKVCache", host_pool_name: str) -> None:
         """SGLang's hybrid models (sliding-window or Mamba pools beside the KV pool) register their
@@ -157,12 +166,14 @@ class StrataStorage(HiCacheStorage):
 
     # -------------------------------------------------------------- queries
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Length of the leading run of ``keys`` stored and valid (index and tier headers only)."""
+        """Length of the leading run of ``keys`` stored and valid (index and tier headers only); 0
+        for a query sampled for verification, and never past a page hidden from an earlier one."""
         if not keys:
             return 0
         epoch, chain = self._chain(keys, extra_info)
         assert self.ns is not None
-        return self.store.lookup_chain(self.ns, epoch, chain).num_blocks
+        stored = self.store.lookup_chain(self.ns, epoch, chain).num_blocks
+        return stored if self.checks is None else self.checks.answer(keys, stored)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -227,7 +238,8 @@ class StrataStorage(HiCacheStorage):
         the pool straight to disk: one ``pwritev`` of header + the page's runs per file, published
         by rename, then committed. Otherwise they are copied once into fresh L1 slots, committed,
         and written through from there. Either way the disk copies exist before this returns, so
-        every process sharing the disk tier sees them then (as the legacy path, ``save(wait=True)``, does)."""
+        every process sharing the disk tier sees them then (as the legacy path, ``save(wait=True)``, does).
+        Pages hidden from a sampled query are compared with their stored copies (``_verify``)."""
         if not keys:
             return []
         if not self.writer:
@@ -235,13 +247,14 @@ class StrataStorage(HiCacheStorage):
         self._require_pool()
         start = time.perf_counter()
         epoch, chain = self._chain(keys, extra_info)
-        starts = self.rows.page_starts(host_indices, len(keys)) if self.bypass_l1 and self.store.direct_writes else None
+        rows, data = self.rows, self.store.arena.data
+        starts = rows.page_starts(host_indices, len(keys)) if self.bypass_l1 and self.store.direct_writes else None
         if starts is not None:
-            rows = self.rows
             self.store.save_runs(self.ns, epoch, chain, ByteRuns(rows.page_bytes, lambda i: rows.runs(starts[i])))
         else:
             self._set_staged(epoch, chain, host_indices, len(keys))
-        stored = self.store.stored_mask(self.ns, epoch, chain).tolist()
+        stored = self._verify(keys, epoch, chain, lambda slots, pages: rows.gather_into(
+            data, slots, pages, host_indices, len(keys)))  # type: ignore[arg-type]
         self._calls.record("backup", len(keys), len(keys) * self.rows.page_bytes, time.perf_counter() - start)
         return stored
 
@@ -267,7 +280,26 @@ class StrataStorage(HiCacheStorage):
         epoch, chain = self._chain(keys, extra_info)
         assert self.ns is not None
         self.store.save_now(self.ns, epoch, chain, payloads)
-        return self.store.stored_mask(self.ns, epoch, chain).tolist()
+        data = self.store.arena.data
+
+        def fill(slots: Sequence[int], pages: Sequence[int]) -> None:
+            for slot, page in zip(slots, pages):
+                flat = payloads[page].reshape(-1)
+                data[slot, : flat.numel()] = flat  # type: ignore[index]
+
+        return self._verify(keys, epoch, chain, fill)
+
+    def _verify(self, keys: Sequence[str], epoch: int, chain: BlockChain, fill: Fill) -> list[bool]:
+        """After a write-back's save: its pages hidden from a sampled query compared with their stored
+        copies (skipped by the save as stored). True where a page is stored, and for a compared page
+        whatever the outcome: SGLang stops backing up a node at a page reported False, and the
+        pages after it are no less worth storing (a mismatching page is deleted, not replaced)."""
+        assert self.ns is not None
+        checked = self.checks.write_back(self.ns, epoch, keys, chain, fill) if self.checks is not None else []
+        stored = self.store.stored_mask(self.ns, epoch, chain).tolist()
+        for i in checked:
+            stored[i] = True
+        return stored
 
     # -------------------------------------------------------------- legacy path (flat pages)
     def batch_get(self, keys: list[str], target_locations: Any = None,

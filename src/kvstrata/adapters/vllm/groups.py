@@ -32,6 +32,7 @@ import xxhash
 from kvstrata.config import ConfigError
 
 if TYPE_CHECKING:
+    import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block): a placeholder shared by every request
@@ -50,6 +51,9 @@ class GroupLayout:
     layer_names: tuple[str, ...]
     page_bytes: int  # one layer's block without vLLM's padding
     tag: bytes  # roots the group's key chain: same model and layout, same tag, in every process
+    # one layer's block as typed runs, in order: (bytes, dtype); an SSM state has one per state
+    # tensor. Empty: not comparable (verified hits skip the group)
+    parts: tuple[tuple[int, "torch.dtype"], ...] = ()
 
     @property
     def rank_bytes(self) -> int:
@@ -108,6 +112,19 @@ def _page_bytes(spec: "KVCacheSpec") -> int:
     return spec.page_size_bytes
 
 
+def _parts(spec: "KVCacheSpec", page: int) -> tuple[tuple[int, "torch.dtype"], ...]:
+    """One layer's block as typed runs: an SSM's states in order (vLLM carves them from the page
+    one after another), else one run of the spec's dtype; () where that does not add up to the page."""
+    from math import prod
+
+    shapes, dtypes = getattr(spec, "shapes", None), getattr(spec, "dtypes", None)
+    if shapes is not None and dtypes is not None:
+        parts = tuple((prod(shape) * dtype.itemsize, dtype) for shape, dtype in zip(shapes, dtypes))
+    else:
+        parts = ((page, spec.dtype),)
+    return parts if sum(n for n, _ in parts) == page else ()
+
+
 def group_layouts(kv_cache_config: "KVCacheConfig") -> list[GroupLayout]:
     """The groups kvstrata stores, in vLLM's order. Refused (``ConfigError``): EAGLE/MTP draft
     groups, groups of different block sizes or of a block size other than the one vLLM hashes
@@ -123,7 +140,7 @@ def group_layouts(kv_cache_config: "KVCacheConfig") -> list[GroupLayout]:
         layers = tuple(group.layer_names)
         signature = f"g{i}:{kind}:{window}:{type(spec).__name__}:{spec.block_size}:{page}:{','.join(layers)}"
         out.append(GroupLayout(i, kind, window, spec.block_size, layers, page,
-                               xxhash.xxh3_128_digest(signature.encode())))
+                               xxhash.xxh3_128_digest(signature.encode()), _parts(spec, page)))
     sizes = {g.block_size for g in out} | ({hash_block} if hash_block else set())
     if len(sizes) > 1:
         raise ConfigError(f"kvstrata: KV cache groups of different block sizes {sorted(sizes)} are not supported yet")

@@ -26,6 +26,7 @@ from kvstrata.store import GroupHit, GroupRule, StoreProtocol
 from kvstrata.adapters.vllm.groups import GroupLayout, destinations, real_positions
 from kvstrata.adapters.vllm.pending import Ops, Pending
 from kvstrata.adapters.vllm.roles import Role
+from kvstrata.adapters.vllm.verify import Verifies
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -40,8 +41,9 @@ class HybridPlans:
     size of an L1 slot (one block of one group)."""
 
     def __init__(self, store: StoreProtocol, ns: Namespace, ops: Ops, role: Role, slot_bytes: int,
-                 layouts: list[GroupLayout]) -> None:
+                 layouts: list[GroupLayout], verifies: Verifies) -> None:
         self.store = store
+        self.verifies = verifies
         self.ns = ns
         self.ops = ops
         self.role = role
@@ -56,6 +58,7 @@ class HybridPlans:
         if st.loaded:  # its load is done: vLLM goes on from what it now holds
             return 0, False
         self.release(st)
+        self.verifies.drop(st)  # asked again: this lookup decides
         st.local = num_computed_tokens
         hi = (len(st.tokens) - 1) // self.bs * self.bs  # the last token is always computed
         store = self.store
@@ -64,6 +67,8 @@ class HybridPlans:
         if hit.boundary <= num_computed_tokens:
             self._give_back(hit)
             return 0, False
+        if st.verify:  # computed instead, and compared as it is saved (``verify.py``)
+            return self.verifies.instead_groups(st, hit, num_computed_tokens)
         counted = hit.hits[self.counted]  # the tier of each block, by its position in the prompt
         st.origin = ["l1"] * int(hit.positions[self.counted][0] if counted.num_blocks else 0) + store.origins(counted)
         slots = []
@@ -145,6 +150,7 @@ class HybridPlans:
                 ids = [table[g][i] for i in idx]
             if idx:
                 self._save(req_id, epoch, chain.pick(idx), ids, g)
+                self.verifies.plan_group(st, req_id, g, epoch, chain.pick(idx), idx, ids)
         st.saved_full = max(st.saved_full, full)
 
     def _save(self, req_id: str, epoch: int, todo: BlockChain, ids: list[int], group: int) -> None:

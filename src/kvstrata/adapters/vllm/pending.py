@@ -66,6 +66,7 @@ class Pending:
     verify: bool = False  # sampled for a verified hit (verify.sample_rate): its hit is computed, not loaded
     verify_hit: Hit | None = None  # the hit it computes instead, pinned until its blocks are planned
     verify_from: int = 0  # the first block of that hit the engine computes (before it: vLLM's own cache)
+    verify_groups: GroupHit | None = None  # a hybrid model's verified hit, pinned until its blocks are planned
 
     def taken(self, num_external_tokens: int, block_size: int) -> tuple[list[str], list[int]]:
         """Per block of the load the request is about to get (``num_external_tokens`` beyond
@@ -137,6 +138,7 @@ class _InFlight:
     reservation: Reservation | None = None  # a save: the slots the ranks are filling
     hit: Hit | None = None  # a load: the pinned blocks the ranks are reading
     verify: bool = False  # a save into scratch slots, compared with the stored blocks (verified hits)
+    group: int = 0  # the KV cache group of its blocks
 
 
 class Ops:
@@ -145,9 +147,9 @@ class Ops:
     that writes a part of the slots (``writers``: rank 0 alone for a shared latent)."""
 
     def __init__(self, store: StoreProtocol, role: Role, ranks: int, writers: frozenset[int],
-                 segments: tuple[Segment, ...] = ()) -> None:
+                 segments: tuple[tuple[Segment, ...], ...] = ()) -> None:
         self.store = store
-        self.segments = segments  # a block's layers, as verified hits compare them
+        self.segments = segments  # per KV cache group, a block's typed runs, as verified hits compare them
         self.role = role
         self.ranks = ranks
         self.writers = writers
@@ -173,13 +175,17 @@ class Ops:
         self._saves.append(op)
         self._track(op, reservation=res)
 
-    def verify(self, req_id: str, res: Reservation, block_ids: list[int]) -> None:
+    def verifies(self, group: int) -> bool:
+        """Whether blocks of KV cache group ``group`` can be compared (its typed runs are known)."""
+        return group < len(self.segments) and bool(self.segments[group])
+
+    def verify(self, req_id: str, res: Reservation, block_ids: list[int], *, group: int = 0) -> None:
         """A verification op of this step (``store.prepare_verify``): the ranks copy the engine's
         ``block_ids`` into the scratch slots of ``res`` exactly as for a save; when every writer
         has reported, the store compares them with the stored blocks of the same keys."""
-        op = CopyOp(self._new_op_id(), req_id, res.slots, block_ids)
+        op = CopyOp(self._new_op_id(), req_id, res.slots, block_ids, group=group)
         self._saves.append(op)
-        self._inflight[op.op_id] = _InFlight(set(self.writers), req_id, reservation=res, verify=True)
+        self._inflight[op.op_id] = _InFlight(set(self.writers), req_id, reservation=res, verify=True, group=group)
 
     def take(self) -> tuple[list[CopyOp], list[CopyOp]]:
         """The step's load and save ops, for its metadata; the next step starts with none."""
@@ -213,7 +219,7 @@ class Ops:
             self.store.complete_load(op.hit)  # every rank has copied the blocks out of their slots
         if op.verify:
             assert op.reservation is not None
-            self.store.complete_verify(op.reservation, self.segments, op.ok)
+            self.store.complete_verify(op.reservation, self.segments[op.group], op.ok)
         elif op.reservation is not None:
             # Published (visible to lookups from now on) only if every rank copied its shard.
             self.store.complete_store(op.reservation, op.ok)

@@ -92,16 +92,15 @@ class SchedulerSide:
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._reqs: dict[str, Pending] = {}
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
-        # which requests are served and stored, and which are verified (hybrid models: not yet)
-        self._admission = Admission(0.0 if layouts else cfg.verify.sample_rate)
+        self._admission = Admission(cfg.verify.sample_rate)  # which requests are served, stored, verified
         self.stats = StatsCollector(self.store)
         self.role = make_role(vllm_config, cfg, self.store)  # P/D: producer, consumer or both
-        self._ops = Ops(self.store, self.role, plan.ranks, plan.writers, plan.segments)
-        self._verifies = Verifies(self.store, self.ns, self.block_size, plan.slot_bytes)  # the step's copies and those in flight
+        self._ops = Ops(self.store, self.role, plan.ranks, plan.writers, plan.segments)  # the step's copies and those in flight
+        self._verifies = Verifies(self.store, self.ns, self._ops, self.block_size, plan.slot_bytes)
         self._staging = Staging(self.store, self.block_size, plan.slot_bytes, cfg.l1.stage_inline_bytes,
                                 self.role.local_copy)
-        self._hybrid = HybridPlans(self.store, self.ns, self._ops, self.role, plan.slot_bytes, layouts) \
-            if layouts else None
+        self._hybrid = HybridPlans(self.store, self.ns, self._ops, self.role, plan.slot_bytes, layouts,
+                                   self._verifies) if layouts else None
         events_cfg = vllm_config.kv_events_config
         self.events: KVEvents | None = None
         if events_cfg is not None and events_cfg.enable_kv_cache_events:

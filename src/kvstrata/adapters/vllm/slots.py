@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.config import ConfigError
-from kvstrata.store import Segment
+from kvstrata.store import TOLERANCES, Segment
 
 from kvstrata.adapters.vllm.groups import GroupLayout
 from kvstrata.adapters.vllm.namespace import draft_identity, latent_shared
@@ -38,9 +38,9 @@ class SlotPlan:
     shared: bool  # MLA: one region that every rank reads
     ranks: int  # workers that report every op
     writers: frozenset[int]  # workers that write a save's slots
-    # one segment per layer of every rank region, in the KV dtype (verified hits compare by them);
-    # empty for a hybrid model (its groups' blocks are not verified yet)
-    segments: tuple[Segment, ...] = ()
+    # per KV cache group, a block's typed runs (each layer, each SSM state) in every rank region,
+    # as verified hits compare them (``verify.compare``); () for a group that is not compared
+    segments: tuple[tuple[Segment, ...], ...] = ()
 
 
 def slot_plan(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
@@ -62,14 +62,30 @@ def slot_plan(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     stage_bytes = pipeline_stage_bytes(vllm_config, kv_cache_config, first) if pp > 1 else ()
     rank_bytes = sum(stage_bytes) or first
     ranks = tp * pp
-    segments: tuple[Segment, ...] = ()
-    if not layouts:
+    regions = [r * rank_bytes for r in range(1 if shared else tp)]
+    if layouts:
+        segments = tuple(_segments(regions, [g.parts] * len(g.layer_names)) for g in layouts)
+    else:
         page = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
-        dtype = kv_dtype(vllm_config, kv_cache_config)
-        segments = tuple(Segment(f"rank {r} layer {i}", r * rank_bytes + i * page, page, dtype)
-                         for r in range(1 if shared else tp) for i in range(rank_bytes // page))
+        segments = (_segments(regions, [((page, kv_dtype(vllm_config, kv_cache_config)),)] * (rank_bytes // page)),)
     return SlotPlan(rank_bytes, rank_bytes if shared else rank_bytes * tp, stage_bytes, shared, ranks,
                     frozenset(range(0, ranks, tp) if shared else range(ranks)), segments)
+
+
+def _segments(regions: list[int], layers: list[tuple[tuple[int, torch.dtype], ...]]) -> tuple[Segment, ...]:
+    """The typed runs of every layer (``layers[i]``: its runs in order) in each rank region; ()
+    if a layer has none or a dtype has no tolerance."""
+    if not layers or any(not runs or any(d not in TOLERANCES for _, d in runs) for runs in layers):
+        return ()
+    out, at = [], 0
+    lay = []
+    for i, runs in enumerate(layers):
+        for j, (n, dtype) in enumerate(runs):
+            lay.append((f"layer {i}" + (f" part {j}" if len(runs) > 1 else ""), at, n, dtype))
+            at += n
+    for r, base in enumerate(regions):
+        out += [Segment(f"rank {r} {name}", base + off, n, dtype) for name, off, n, dtype in lay]
+    return tuple(out)
 
 
 def kv_dtype(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> torch.dtype:
