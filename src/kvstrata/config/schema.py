@@ -232,6 +232,10 @@ class TestingConfig(_Model):
     """Index key width. Test-only: below 128 it forces collisions that validation must reject."""
     l2_write_delay_ms: float = Field(0.0, ge=0)
     """Test-only: sleep this long in every disk write, to show that a slow disk never stalls."""
+    identity_hole: Literal["", "lora_version"] = ""
+    """Test-only: ``lora_version`` leaves a LoRA adapter's content version out of vLLM's keys (the
+    keying before adapters were keyed by content), a hole that serves wrong KV for an adapter
+    rewritten under its name and path: the verified-hits tests plant it. Never set it in production."""
 
 
 class KeysConfig(_Model):

@@ -81,8 +81,9 @@ class Pending:
 class Admission:
     """Which requests are served and stored (see the module docstring)."""
 
-    def __init__(self, sample_rate: float = 0.0) -> None:
+    def __init__(self, sample_rate: float = 0.0, identity_hole: str = "") -> None:
         self.sample_rate = sample_rate  # verify.sample_rate
+        self.lora_version = identity_hole != "lora_version"  # testing.identity_hole (test-only)
         self._sampler = random.Random()
         self.adapters = AdapterVersions()  # LoRA adapters by content, as this engine loaded them
         self.guard = LocalCacheGuard()  # vLLM's own cached blocks from before this instance's last reset
@@ -96,7 +97,7 @@ class Admission:
     def admit(self, request: "Request") -> Pending:
         """A new request's state: its keys (``request_keys``), or none when they cannot be made
         (its LoRA adapter changed under the engine): then it is neither served nor stored."""
-        keys = request_keys(request, self.adapters)
+        keys = request_keys(request, self.adapters, lora_version=self.lora_version)
         if keys is None:
             return Pending(request, np.zeros(0, np.uint32), NO_EXTRA, served=False, saves=False)
         verify = self.sample_rate > 0 and self._sampler.random() < self.sample_rate

@@ -81,9 +81,10 @@ class EngineBlockInputs:
 _unencodable: set[type] = set()  # logged once per process
 
 
-def request_keys(request: "Request", adapters: AdapterVersions) -> RequestKeys | None:
+def request_keys(request: "Request", adapters: AdapterVersions, *, lora_version: bool = True) -> RequestKeys | None:
     """The keys of ``request``'s blocks, or None when it must not be served or stored: its LoRA
-    adapter's files changed since this engine loaded it (``AdapterVersions``)."""
+    adapter's files changed since this engine loaded it (``AdapterVersions``). ``lora_version``
+    False is the test-only identity hole (``testing.identity_hole: lora_version``)."""
     tokens = np.asarray(request.all_token_ids[: request.num_prompt_tokens], dtype=np.uint32)
     wide: list[object] = []
     if request.cache_salt:
@@ -95,7 +96,7 @@ def request_keys(request: "Request", adapters: AdapterVersions) -> RequestKeys |
         if version is None:
             return None
         adapter = (lora.lora_int_id, lora.lora_path, version)
-        wide.append(f"lora:{lora.lora_name}:{lora.lora_path}:{version}")
+        wide.append(f"lora:{lora.lora_name}:{lora.lora_path}" + (f":{version}" if lora_version else ""))
     base = extra_digest(wide)
     if request.prompt_embeds is None:
         keys, _ = generate_block_hash_extra_keys(request, 0, request.num_prompt_tokens, 0)

@@ -92,7 +92,7 @@ class SchedulerSide:
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._reqs: dict[str, Pending] = {}
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
-        self._admission = Admission(cfg.verify.sample_rate)  # which requests are served, stored, verified
+        self._admission = Admission(cfg.verify.sample_rate, cfg.testing.identity_hole)  # served, stored, verified
         self.stats = StatsCollector(self.store)
         self.role = make_role(vllm_config, cfg, self.store)  # P/D: producer, consumer or both
         self._ops = Ops(self.store, self.role, plan.ranks, plan.writers, plan.segments)  # the step's copies and those in flight
