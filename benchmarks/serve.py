@@ -18,6 +18,9 @@ Verified hits (``verify_ratios``): ``strata-verify-*`` are ``strata-l1l2`` with 
 figures are printed as the cost of verifying. A verified request loses its hit: the hit rate is
 expected to drop by the rate times the share of prompt tokens kvstrata served at rate 0, printed
 beside the measured drop and beside the share of prompt tokens the verified blocks hold.
+
+``--rounds N``: every configuration N times, interleaved, each comparison the median of its paired
+per-round values (``serve_rounds``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 from kvstrata.tools.trace import load_trace
 from benchmarks import serve_disagg
 from benchmarks import serve_engines as engines
+from benchmarks import serve_rounds
 from benchmarks import ttft
 from benchmarks.serve_workload import Scaling, Turn, allowed_tokens, build_turns, select, simulate_reference
 
@@ -115,6 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600, help="seconds per request and per server start")
     p.add_argument("--lmcache-dir", default=None, help="LMCache install folder (default .venv-lmcache)")
     p.add_argument("--sglang-python", default=None, help="interpreter with sglang (default .venv-sglang)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the configurations N times, in an order rotated each round, each server fresh; "
+                        "per configuration each round's figures and their median, every comparison the median "
+                        "(and range) of the per-round ratios within a round (default %(default)s)")
     p.add_argument("--work", default=None, help="work folder (default: a temporary one, removed)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.add_argument("--plot", default=None, help="write a PNG: TTFT CDF and throughput bars")
@@ -314,9 +322,7 @@ def verify_ratios(results: list[dict[str, Any]], block_tokens: int | None = None
         bounded = rate <= VERIFY_TARGET_RATE
 
         def add(target: str, value: float | None, bound: float | None, op: str, note: str = "") -> None:
-            met = None if bound is None or value is None else {
-                ">=": value >= bound, "<=": value <= bound, "|x| <=": abs(value) <= bound, "==": value == bound,
-                ">": value > bound}[op]
+            met = serve_rounds.judge(value, bound, op)
             out.append({"config": r["config"], "concurrency": r["concurrency"], "target": target, "value": value,
                         "bound": bound, "op": op, "met": met, "note": note})
 
@@ -370,9 +376,10 @@ def _bounds(r: dict[str, Any], base: dict[str, Any] | None, reference: bool = Fa
 def markdown(results: list[dict[str, Any]]) -> str:
     sources = sorted({k for r in results for k in r["tokens_per_tier"]})
     verified = any(r.get("verify_checks") is not None for r in results)
-    head = ["config", "concurrency", "TTFT p50 ms", "p90", "p99", "e2e p50 ms", "req/s", "out tok/s",
-            "hit rate", *[f"tokens {s}" for s in sources], *(["verified blocks", "mismatches"] if verified else []),
-            "errors"]
+    rounds = any("round" in r for r in results)
+    head = ["config", "concurrency", *(["round"] if rounds else []), "TTFT p50 ms", "p90", "p99", "e2e p50 ms",
+            "req/s", "out tok/s", "hit rate", *[f"tokens {s}" for s in sources],
+            *(["verified blocks", "mismatches"] if verified else []), "errors"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def f(v: Any) -> str:
@@ -380,8 +387,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
     for r in results:
         cells = [r["config"], "timestamps" if r["concurrency"] is None else r["concurrency"],
-                 r["ttft_p50_ms"], r["ttft_p90_ms"], r["ttft_p99_ms"], r["e2e_p50_ms"], r["throughput_req_s"],
-                 r["throughput_tok_s"], r["hit_rate"], *[r["tokens_per_tier"].get(s, 0) for s in sources],
+                 *([r.get("round")] if rounds else []), r["ttft_p50_ms"], r["ttft_p90_ms"], r["ttft_p99_ms"],
+                 r["e2e_p50_ms"], r["throughput_req_s"], r["throughput_tok_s"], r["hit_rate"],
+                 *[r["tokens_per_tier"].get(s, 0) for s in sources],
                  *([r.get("verify_checks"), r.get("verify_mismatches")] if verified else []), r["errors"]]
         rows.append("| " + " | ".join(f(c) for c in cells) + " |")
     return "\n".join(rows)
@@ -449,6 +457,9 @@ def run(args: argparse.Namespace) -> int:
     levels: list[int | None] = [None] if args.timestamps else [int(c) for c in args.concurrency.split(",") if c]
     if not levels or any(c is not None and c < 1 for c in levels):
         raise SystemExit("bench serve: --concurrency needs positive integers")
+    rounds = getattr(args, "rounds", 1)
+    if rounds < 1:
+        raise SystemExit("bench serve: --rounds needs a positive integer")
     sessions = None if args.requests else (args.sessions or 16)
     scaling = Scaling(args.block_tokens, args.max_prompt_tokens, args.max_output_tokens)
     reqs = select(load_trace(args.trace), sessions, args.requests, args.start, args.seed)
@@ -483,24 +494,34 @@ def run(args: argparse.Namespace) -> int:
         f"- kvstrata / LMCache CPU tier {args.l1_size}; "
         + ("on trace timestamps x%g" % args.time_scale if args.timestamps else f"concurrency {args.concurrency}"),
         f"- simulate (real index, unbounded cache, same requests): {reference:.1%} of prompt tokens served",
+        *([f"- {rounds} rounds, the configurations' order rotated each round; comparisons: the median of the "
+           f"per-round paired ratios [min..max]"] if rounds > 1 else []),
     ]
     print("\n".join(header), flush=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kvstrata-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    results = _run_all(settings, configs, levels, turns, args, work, allowed)
+    results = _run_all(settings, configs, levels, turns, args, work, allowed, rounds)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    checks = ratios(results, reference, args.block_tokens)
+    if rounds > 1:
+        shown = serve_rounds.table(results, configs)
+        medians = [r for r in shown if r["round"] == "median"]
+        checks = serve_rounds.paired(results, lambda rs: ratios(rs, reference, args.block_tokens))
+    else:
+        shown = medians = results
+        checks = ratios(results, reference, args.block_tokens)
     print()
-    print(markdown(results))
+    print(markdown(shown))
     print()
     for c in checks:
         print(check_line(c))
     if args.plot:
-        plot(results, args.plot, header[0].lstrip("# "))
+        plot(medians, args.plot, header[0].lstrip("# "))
         print(f"plot: {args.plot}")
     if args.json:
         summary = {"results": [{k: v for k, v in r.items() if k not in ("ttft_ms",)} for r in results],
+                   **({"medians": [{k: v for k, v in r.items() if k != "ttft_ms"} for r in medians]}
+                      if rounds > 1 else {}),
                    "targets": checks, "simulate_unbounded_hit_rate": round(reference, 4),
                    "settings": {"engine": args.engine, "model": settings.model, "requests": len(turns),
                                 "sessions": sessions, "block_tokens": args.block_tokens,
@@ -509,6 +530,7 @@ def run(args: argparse.Namespace) -> int:
                                 "max_output_tokens": args.max_output_tokens, "prompt_tokens": prompt_total,
                                 "l1_size": args.l1_size, "hicache_ratio": args.hicache_ratio,
                                 "timestamps": args.timestamps, "disagg": getattr(args, "disagg", False),
+                                "rounds": rounds,
                                 "time_scale": args.time_scale if args.timestamps else None}}
         print(json.dumps(summary))
     return 0 if all(r["errors"] == 0 for r in results) else 1
@@ -517,8 +539,12 @@ def run(args: argparse.Namespace) -> int:
 def check_line(c: dict[str, Any]) -> str:
     """One printed comparison: its value, and its bound and verdict when it has one."""
     value = c["value"]
-    shown = (str(value) if isinstance(value, int) else f"{value:+.4f}" if c.get("op") == "|x| <=" else f"{value:.3f}")
-    shown += f" (TTFT change {value - 1:+.0%})" if "TTFT" in c["target"] else ""
+
+    def fmt(v: Any) -> str:
+        return str(v) if isinstance(v, int) else f"{v:+.4f}" if c.get("op") == "|x| <=" else f"{v:.3f}"
+
+    shown = fmt(value) + (f" (TTFT change {value - 1:+.0%})" if "TTFT" in c["target"] else "")
+    shown += serve_rounds.span(c, fmt)
     shown += f" ({c['note']})" if c.get("note") else ""
     line = f"- c={c['concurrency'] or 'ts'} {c['config']}: {c['target']}: {shown}"
     if c["bound"] is None:  # a comparison printed for reference, with no bound
@@ -529,13 +555,16 @@ def check_line(c: dict[str, Any]) -> str:
 
 
 def _run_all(s: engines.Settings, configs: list[str], levels: list[int | None], turns: list[Turn],
-             args: argparse.Namespace, work: Path, allowed: np.ndarray) -> list[dict[str, Any]]:
+             args: argparse.Namespace, work: Path, allowed: np.ndarray, rounds: int = 1) -> list[dict[str, Any]]:
+    """Each configuration at each level from a fresh server; with ``rounds`` > 1 all of them
+    ``rounds`` times (round by round, the configurations rotated: ``serve_rounds.order``), each
+    row with its ``round`` (from 1)."""
     from tqdm import tqdm
 
     rng = np.random.default_rng(1 << 33)  # the warm-up prompt: no trace block can produce it
     warm = allowed[rng.integers(0, len(allowed), 2 * args.block_tokens + 7)].tolist()
     results = []
-    bar = tqdm(total=len(turns) * len(configs) * len(levels), file=sys.stderr, unit="req", dynamic_ncols=True)
+    bar = tqdm(total=len(turns) * len(configs) * len(levels) * rounds, file=sys.stderr, unit="req", dynamic_ncols=True)
     lock = threading.Lock()
     sent = [0]  # requests of the current run done, so a failed run can complete its share
 
@@ -545,9 +574,9 @@ def _run_all(s: engines.Settings, configs: list[str], levels: list[int | None], 
             bar.update(1)
 
     try:
-        for level in levels:
-            for config in configs:
-                name = f"{config}-c{level}" if level else f"{config}-ts"
+        for round_, level in ((n, lv) for n in range(rounds) for lv in levels):
+            for config in serve_rounds.order(configs, round_):
+                name = (f"{config}-c{level}" if level else f"{config}-ts") + (f"-r{round_ + 1}" if rounds > 1 else "")
                 bar.set_description(f"{name}: starting")
                 sent[0] = 0
                 try:
@@ -571,6 +600,8 @@ def _run_all(s: engines.Settings, configs: list[str], levels: list[int | None], 
                     log.debug("%s", traceback.format_exc())
                     results.append(failed(config, level, len(turns), f"{type(e).__name__}: {e}"))
                     bar.update(len(turns) - sent[0])
+                if rounds > 1:
+                    results[-1]["round"] = round_ + 1
     finally:
         bar.close()
     return results

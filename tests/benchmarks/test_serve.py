@@ -283,3 +283,151 @@ def test_verified_hits_are_judged_beside_rate_0_up_to_001_and_reported_as_a_cost
     lines = [serve.check_line(c) for c in serve.verify_ratios(results, 64)]
     assert any("-0.0050 (0.5625 -> 0.5575, expected -0.0050" in line and "-> met" in line for line in lines)
     assert any(line.endswith("verify mismatches: 1, target == 0 -> MISSED") for line in lines)
+
+
+# ------------------------------------------------------------------------------------- --rounds N
+def _row(config: str, req_s: float | None, hit: float = 0.5, rate: float | None = None, checks: int | None = None,
+         mismatches: int | None = None, **kw: object) -> dict:
+    return {"config": config, "concurrency": 8, "throughput_req_s": req_s, "ttft_p50_ms": req_s and 100.0 / req_s,
+            "ttft_p90_ms": None, "ttft_p99_ms": None, "e2e_p50_ms": None, "throughput_tok_s": None,
+            "hit_rate": hit, "prompt_tokens": 64_000, "tokens_per_tier": {"host": 32_000}, "errors": 0,
+            "tokens_recomputed": int(64_000 * (1 - hit)), "verify_sample_rate": rate, "verify_checks": checks,
+            "verify_mismatches": mismatches, "ttft_ms": [1.0], **kw}
+
+
+def test_rounds_rotate_the_configurations():
+    from benchmarks.serve_rounds import order
+
+    assert [order(["a", "b", "c"], r) for r in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                             ["a", "b", "c"]]
+
+
+def test_rounds_compare_each_round_with_its_own_reference_and_report_the_median_and_range():
+    """The reference drifts (1.0, 0.6, 0.9 req/s) and each round's verify run with it: the paired
+    ratios are 0.99, 0.95, 1.01 (median 0.99, met), where the ratio of the medians would be
+    0.855 / 0.9 = 0.95 (missed)."""
+    from benchmarks import serve_rounds
+
+    base, ours = (1.0, 0.6, 0.9), (0.99, 0.57, 0.909)
+    results = []
+    for n, (b, o, mism) in enumerate(zip(base, ours, (0, 1, 0)), 1):
+        results += [_row("strata-l1l2", b, 0.5625, 0.0, 0, 0, round=n),
+                    _row("strata-verify-0.01", o, 0.5625 - 0.001 * n, 0.01, 5 * n, 0),
+                    _row("strata-verify-1", o * 0.8, 0.0625, 1.0, 500, mism)]
+        results[-2]["round"] = results[-1]["round"] = n
+    checks = serve_rounds.paired(results, lambda rs: serve.ratios(rs, 0.6, 64))
+    by = {(c["config"], c["target"]): c for c in checks}
+    tput = by["strata-verify-0.01", "throughput vs strata-l1l2 (verify 0)"]
+    assert tput["rounds"] == [0.99, 0.95, 1.01] and tput["value"] == 0.99 and tput["met"] is True
+    assert (tput["min"], tput["max"]) == (0.95, 1.01)
+    assert serve.check_line(tput) == ("- c=8 strata-verify-0.01: throughput vs strata-l1l2 (verify 0): 0.990 "
+                                      "[median of 3 paired rounds, 0.950..1.010], target >= 0.98 -> met")
+    hit = by["strata-verify-0.01", "hit rate change vs strata-l1l2 (verify 0)"]
+    assert hit["rounds"] == [-0.001, -0.002, -0.003] and hit["value"] == -0.002 and hit["met"] is True
+    assert hit["expected"] == -0.005 and hit["note"].startswith("0.5625 -> 0.5605")  # the median round's note
+    assert "[median of 3 paired rounds, -0.0030..-0.0010]" in serve.check_line(hit)
+    # counts: the total over rounds, met only where every round met it
+    mism = by["strata-verify-1", "verify mismatches"]
+    assert mism["value"] == 1 and mism["met"] is False and mism["rounds"] == [0, 1, 0]
+    assert serve.check_line(mism).endswith("verify mismatches: 1 [total of 3 rounds, per round 0..1], "
+                                           "target == 0 -> MISSED")
+    blocks = by["strata-verify-0.01", "blocks verified"]
+    assert blocks["value"] == 30 and blocks["met"] is None and blocks["bound"] is None
+    cost = by["strata-verify-1", "throughput vs strata-l1l2 (verify 0)"]
+    assert cost["bound"] is None and cost["met"] is None and cost["value"] == 0.792
+    assert len(checks) == len(serve.ratios([r for r in results if r["round"] == 1], 0.6, 64))
+
+
+def test_rounds_merge_a_target_whose_name_carries_its_rounds_bound_and_skip_a_failed_round():
+    from benchmarks import serve_rounds
+
+    results = []
+    for n, (base, ours, recomputed) in enumerate(((1.0, 1.6, 30_000), (1.0, None, 30_000), (0.8, 1.2, 32_000)), 1):
+        results += [dict(_row("baseline", base, 0.2), tokens_recomputed=recomputed, round=n),
+                    dict(_row("strata-l1l2", ours, 0.5), tokens_recomputed=20_000, round=n)]
+    checks = serve_rounds.paired(results, lambda rs: serve.ratios(rs, 0.6))
+    vs = next(c for c in checks if c["target"] == "throughput vs baseline")
+    assert vs["rounds"] == [1.6, None, 1.5] and vs["value"] == 1.55 and vs["met"] is False  # bound 1.6
+    assert "[median of 2 paired rounds, 1.500..1.600]" in serve.check_line(vs)
+    bound = [c for c in checks if c["target"].startswith("throughput vs baseline / recompute bound (")]
+    last = serve.ratios(results[4:], 0.6)  # round 3 alone: bound 1.6, speedup 1.5
+    assert [c["value"] for c in last if c["target"] == "throughput vs baseline / recompute bound (1.600)"] == [
+        bound[0]["rounds"][2]]
+    assert len(bound) == 1 and bound[0]["rounds"][:2] == [1.067, None]  # 1.6 / 1.5
+    assert bound[0]["value"] == round((1.067 + bound[0]["rounds"][2]) / 2, 4) and bound[0]["met"] is True
+
+
+def test_median_rows_and_the_table_of_rounds():
+    from benchmarks import serve_rounds
+
+    rows = [_row("strata-l1l2", 1.0, 0.5, round=1, errors=0, tokens_per_tier={"host": 10, "disk": 4}),
+            _row("strata-l1l2", 3.0, 0.7, round=2, errors=0, tokens_per_tier={"host": 30}),
+            serve.failed("strata-l1l2", 8, 100, "boom") | {"round": 3}]
+    med = serve_rounds.median_row(rows)
+    assert med["round"] == "median" and med["rounds"] == 3 and med["config"] == "strata-l1l2"
+    assert med["throughput_req_s"] == 2.0 and med["hit_rate"] == 0.6 and med["errors"] == 100
+    assert med["tokens_per_tier"] == {"host": 20, "disk": 2}  # per key, over the rounds that ran
+    assert med["ttft_ms"] == [1.0, 1.0] and med["error_samples"] == ["boom"]
+    other = [_row("baseline", 0.5, round=n) for n in (2, 1, 3)]
+    shown = serve_rounds.table(rows + other, ["baseline", "strata-l1l2"])
+    assert [(r["config"], r["round"]) for r in shown] == [
+        ("baseline", 1), ("baseline", 2), ("baseline", 3), ("baseline", "median"),
+        ("strata-l1l2", 1), ("strata-l1l2", 2), ("strata-l1l2", 3), ("strata-l1l2", "median")]
+    table = serve.markdown(shown).splitlines()
+    assert table[0].startswith("| config | concurrency | round | TTFT p50 ms |")
+    assert table[-1].startswith("| strata-l1l2 | 8 | median | 66.7 | - | - | - | 2.0 |")
+
+
+def test_one_round_keeps_the_output_as_it_was():
+    results = [_row("strata-l1l2", 1.0, 0.5625, 0.0, 0, 0), _row("strata-verify-0.01", 0.99, 0.5575, 0.01, 5, 0)]
+    assert serve.markdown(results).splitlines()[0].startswith("| config | concurrency | TTFT p50 ms |")
+    lines = [serve.check_line(c) for c in serve.ratios(results, 0.6, 64)]
+    assert "- c=8 strata-verify-0.01: throughput vs strata-l1l2 (verify 0): 0.990, target >= 0.98 -> met" in lines
+    assert not any("[" in line for line in lines)
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_run_all_runs_every_round_rotated_each_server_fresh(monkeypatch, tmp_path, rounds):
+    launched = []
+
+    class Ep:
+        def send_now(self, prompt: list[int], n: int) -> None:
+            pass
+
+        def tier_counts(self) -> None:
+            return None
+
+        def scrape(self) -> None:
+            return None
+
+    @contextlib.contextmanager
+    def launch(s: object, config: str, folder: Path):
+        launched.append(folder.name)
+        folder.mkdir(parents=True)  # a fresh folder each run: a second run in one would fail here
+        if config == "peer" and folder.name.endswith("r2"):
+            raise RuntimeError("no start")
+        yield Ep()
+
+    turns = _conversations(2, 1)
+
+    def replay(ep: object, ts: list, level: int, tick) -> serve.Record:
+        rec = serve.Record(ts)
+        for t in ts:
+            rec.started[t.index], rec.results[t.index] = 0.0, Result(1.0, 2.0, 1, {"total": 0})
+            tick()
+        return rec
+
+    monkeypatch.setattr(serve.engines, "launch", launch)
+    monkeypatch.setattr(serve, "replay_concurrency", replay)
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    args = argparse.Namespace(block_tokens=64, time_scale=1.0)
+    results = serve._run_all(None, ["baseline", "strata-l1l2", "peer"], [8], turns, args, tmp_path, ALLOWED, rounds)
+    if rounds == 1:
+        assert launched == ["baseline-c8", "strata-l1l2-c8", "peer-c8"]
+        assert all("round" not in r for r in results)
+        return
+    assert launched == ["baseline-c8-r1", "strata-l1l2-c8-r1", "peer-c8-r1", "strata-l1l2-c8-r2", "peer-c8-r2",
+                        "baseline-c8-r2", "peer-c8-r3", "baseline-c8-r3", "strata-l1l2-c8-r3"]
+    assert [(r["config"], r["round"]) for r in results] == [(n.rsplit("-c8", 1)[0], int(n[-1])) for n in launched]
+    failed = next(r for r in results if r["config"] == "peer" and r["round"] == 2)
+    assert failed["errors"] == len(turns) and failed["throughput_req_s"] is None
