@@ -54,12 +54,12 @@ class Verifies:
             return Reservation([], [])
         keys = set(hit.chain.keys)
         pick = [i for i, (key, at) in enumerate(zip(todo.keys, where)) if at >= st.verify_from and key in keys]
+        res = Reservation([], [])
+        if pick and epoch == hit.epoch and self.ops.verifies(0):
+            res = self.store.prepare_verify(self.ns, epoch, todo.pick(pick), self.slot_bytes)
         if st.saved_full >= sum(1 for n in hit.chain.lengths if n == self.block_size):
-            self.drop(st)
-        if not pick or epoch != hit.epoch or not self.ops.verifies(0):
-            return Reservation([], [])
-        chain = BlockChain(*([part[i] for i in pick] for part in todo))
-        return self.store.prepare_verify(self.ns, epoch, chain, self.slot_bytes)
+            self.drop(st)  # after the slots were reserved: their eviction could not take the hit's blocks
+        return res
 
     # -- hybrid models: per KV cache group (``hybrid.py``)
     def instead_groups(self, st: Pending, hit: GroupHit, num_computed_tokens: int) -> tuple[int, bool]:
