@@ -90,6 +90,9 @@ METRICS: tuple[MetricDef, ...] = (
               "not_joined_saves"),
     MetricDef("epoch_joins", "counter", "Resets that joined the epoch of another instance's reset instead of starting "
               "a new one.", "epoch_joins"),
+    MetricDef("epoch_replays_refused", "counter", "Authenticated epoch values refused because their counter was "
+              "below the highest this instance had seen (a value copied earlier and written back): each was replaced "
+              "by a fresh epoch.", "epoch_replays_refused"),
     MetricDef("namespaces_not_joined", "gauge", "Namespaces this instance has not joined (reset by another instance "
               "since this one last reset): each serves and saves nothing here until this instance resets.",
               "namespaces_not_joined"),

@@ -9,7 +9,9 @@ With a secret (``auth``: the shared folder's always, L2's with ``l2.authenticate
 file holds ``<epoch>:<tag hex>``, a descriptor or a record ``<json>\n<tag hex>``, each MAC bound to
 the namespace and the folder's kind (``domain``). An epoch that fails is lost state (a fresh epoch),
 a descriptor or a record that fails is absent; each is counted (``<counter_prefix>_auth_epochs``,
-``_auth_descriptors``, records among the descriptors, and ``_auth_failures``).
+``_auth_descriptors``, records among the descriptors, and ``_auth_failures``). An epoch file then also
+carries a counter, and ``<seed hex>.floor`` the highest one seen (``epochs/floor.py``): a value
+written back from an older copy is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvstrata.format.auth import Auth
 from kvstrata.format.block import TAG_SIZE
 from kvstrata.epochs.base import Retired, new_epoch, parse_epoch, read_head, temp_name, write_atomic, write_new
 from kvstrata.epochs.descriptors import read_descriptor, write_descriptor
+from kvstrata.epochs.floor import VALUE_BYTES, Floor, open_epoch, seal_epoch
 from kvstrata.epochs.polled import PolledEpochs, T
 from kvstrata.metrics import Counters
 from kvstrata.tiers.folder import make_folder
@@ -64,9 +67,10 @@ class FileEpochs(PolledEpochs):
 
     def __init__(self, root: Path, modes: tuple[int, int] = (0o700, 0o600), *, shared: bool = False,
                  refresh_s: float = 0.0, bound_s: float | None = 0.0, auth: Auth | None = None,
-                 counters: Counters | None = None, counter_prefix: str = "l2") -> None:
+                 counters: Counters | None = None, counter_prefix: str = "l2", local_floor: Path | None = None) -> None:
         """``modes``: of the folder (if created here) and of the files written; a shared folder
-        passes its group bits so that every instance of the group can read and replace them."""
+        passes its group bits so that every instance of the group can read and replace them.
+        ``local_floor``: a folder of this host's where the epoch floor is kept too (with ``auth``)."""
         self._root = root
         self._auth, self._counters, self._cp = auth, counters, counter_prefix
         self._domain = counter_prefix
@@ -76,6 +80,9 @@ class FileEpochs(PolledEpochs):
         super().__init__(Retired(root, modes[1]), refresh_s if shared else 0.0, bound_s if shared else 0.0)
         self._cache: dict[bytes, tuple[tuple[int, int, int], int]] = {}
         self._failing = False
+        self._floor = None if auth is None else Floor(
+            auth, b"epoch:" + self._domain.encode(), bytes.hex, self._domain, local_floor, self._read_floor,
+            self._write_floor, counters)
 
     def _path(self, ns_seed: bytes) -> Path:
         return self._root / ns_seed.hex()
@@ -111,13 +118,14 @@ class FileEpochs(PolledEpochs):
             if cached and cached[0] == stamp and not self._shared:
                 return cached[1]
             try:
-                raw = read_head(path, 64)
+                raw = read_head(path, VALUE_BYTES)
             except FileNotFoundError:
                 continue
-            epoch, forged = self._parse(ns_seed, raw)
+            epoch, counter, forged = self._parse(ns_seed, raw)
             if forged:
                 self._count("auth_epochs")
-            if epoch is None or (ns_seed, epoch) in self.retired:
+            replayed = epoch is not None and self._floor is not None and not self._floor.allows(ns_seed, epoch, counter)
+            if epoch is None or replayed or (ns_seed, epoch) in self.retired:
                 what = "a retired epoch" if epoch is not None else f"no valid epoch ({raw[:32]!r})"
                 if forged:
                     what = f"a value that fails its MAC ({raw[:32]!r})"
@@ -125,28 +133,43 @@ class FileEpochs(PolledEpochs):
                             "(older blocks of this namespace become misses)", path, what)
                 self._replace(ns_seed, epoch, raw)
                 continue
+            if self._floor is not None:
+                self._floor.raise_to(ns_seed, epoch, counter)
             self._cache[ns_seed] = (stamp, epoch)
             return epoch
         raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable epoch")
 
-    def _parse(self, ns_seed: bytes, raw: bytes) -> tuple[int | None, bool]:
-        """The epoch an epoch file's bytes hold (None: none), and whether they failed their MAC."""
+    def _parse(self, ns_seed: bytes, raw: bytes) -> tuple[int | None, int, bool]:
+        """The epoch an epoch file's bytes hold (None: none), its counter (0 without a secret), and
+        whether they failed their MAC."""
         if self._auth is None:
-            return parse_epoch(raw), False
-        text = self._auth.open_text(b"epoch:" + self._domain.encode(), ns_seed.hex(), raw.strip())
-        epoch = None if text is None else parse_epoch(text)
-        return epoch, epoch is None
+            return parse_epoch(raw[:64]), 0, False
+        opened = open_epoch(self._auth, b"epoch:" + self._domain.encode(), ns_seed.hex(), raw)
+        return (None, 0, True) if opened is None else (*opened, False)
 
     def _count(self, kind: str) -> None:
         if self._counters is not None:
             self._counters.inc(f"{self._cp}_{kind}")
             self._counters.inc(f"{self._cp}_auth_failures")
 
-    def _text(self, ns_seed: bytes, epoch: int) -> str:
-        """An epoch file's text: the epoch, with a secret followed by its MAC."""
-        if self._auth is None:
+    def _text(self, ns_seed: bytes, epoch: int, replaced: int = 0) -> str:
+        """An epoch file's text: the epoch, with a secret followed by its MAC and its counter (above
+        ``replaced``, the counter of the value it replaces, and the floor)."""
+        if self._auth is None or self._floor is None:
             return f"{epoch}\n"
-        return self._auth.seal_text(b"epoch:" + self._domain.encode(), ns_seed.hex(), str(epoch).encode()).decode() + "\n"
+        counter = self._floor.next(ns_seed, replaced)
+        return seal_epoch(self._auth, b"epoch:" + self._domain.encode(), ns_seed.hex(), epoch, counter).decode() + "\n"
+
+    def _read_floor(self, ns_seed: bytes) -> bytes | None:
+        try:
+            return read_head(self._root / f"{ns_seed.hex()}.floor", VALUE_BYTES)
+        except OSError:  # none, or planted (a FIFO, a link): no floor here, the local one still counts
+            return None
+
+    def _write_floor(self, ns_seed: bytes, old: bytes | None, new: bytes) -> None:
+        with self._locked(ns_seed):
+            if self._read_floor(ns_seed) == old:
+                write_atomic(self._root / f"{ns_seed.hex()}.floor", new.decode("ascii") + "\n", self._file_mode)
 
     def _create(self, path: Path) -> None:
         tmp = temp_name(path, "new")
@@ -178,22 +201,26 @@ class FileEpochs(PolledEpochs):
         if not stat.S_ISREG(st.st_mode):
             return raw is None
         try:
-            return raw is not None and read_head(path, 64) == raw
+            return raw is not None and read_head(path, VALUE_BYTES) == raw
         except OSError:
             return False
 
     def _write(self, ns_seed: bytes, epoch: int, expected: int | None) -> bool:
         path = self._path(ns_seed)
         with self._locked(ns_seed):
+            counter = 0
             if expected is not None:
                 try:
-                    stored = self._parse(ns_seed, read_head(path, 64))[0]
+                    stored, counter, _ = self._parse(ns_seed, read_head(path, VALUE_BYTES))
                 except OSError:  # missing, or not a regular file: the next read repairs it
                     stored = None
                 if stored != expected:
                     return False
-            write_atomic(path, self._text(ns_seed, epoch), self._file_mode)
-            return True
+            text = self._text(ns_seed, epoch, counter)
+            write_atomic(path, text, self._file_mode)
+        if self._floor is not None:  # outside the lock: the shared floor's write takes it
+            self._floor.raise_to(ns_seed, epoch, self._parse(ns_seed, text.encode())[1])
+        return True
 
     @contextlib.contextmanager
     def _locked(self, ns_seed: bytes) -> Iterator[None]:

@@ -9,7 +9,9 @@ carries a MAC bound to its name: an epoch is ``<epoch>:<tag hex>``, a descriptor
 ``<json>\n<tag hex>``, an announcement ``<ns hex>:<tag hex>``. An epoch that fails its MAC is lost
 state (a fresh epoch, ``remote_auth_epochs``); a descriptor or a record that fails is absent
 (``remote_auth_descriptors``); an announcement that fails is ignored (``remote_auth_messages``).
-Each also counts in ``remote_auth_failures``.
+Each also counts in ``remote_auth_failures``. An epoch then also carries a counter, and
+``P:floor:<ns hex>`` (and a file in the local floor) the highest one seen (``epochs/floor.py``): a
+value written back from an older copy is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable
 from kvstrata.config import RemoteConfig
 from kvstrata.epochs.descriptors import MAX_BYTES as _MAX_DESCRIPTOR, read_descriptor, write_descriptor
 from kvstrata.epochs.base import Retired, new_epoch, parse_epoch
+from kvstrata.epochs.floor import VALUE_BYTES as _EPOCH_BYTES, Floor, open_epoch, seal_epoch
 from kvstrata.epochs.polled import PolledEpochs, T
 from kvstrata.tiers.redis import RedisTier
 from kvstrata.format.block import TAG_SIZE
@@ -30,7 +33,6 @@ from kvstrata.verify.record import MAX_BYTES as _MAX_RECORD
 
 log = logging.getLogger(__name__)
 
-_EPOCH_BYTES = 64  # an epoch is at most 20 digits; read no more than this of an epoch value
 _UNREACHABLE = b"unreachable"  # what the breaker answers ``_get`` when Redis does not (compared by identity)
 
 
@@ -80,17 +82,32 @@ class RedisEpochs(PolledEpochs):
         self._channel = f"{self._p}:epochs"
         self._stop = threading.Event()
         self.listening = threading.Event()  # set while the subscriber is subscribed
+        self._high = None if self._auth is None else Floor(
+            self._auth, b"epoch", self._key, "redis", floor, self._read_floor, self._write_floor, tier.counters)
         self._thread = threading.Thread(target=self._listen, name="kvstrata-epochs", daemon=True)
         self._thread.start()
 
     def _key(self, ns_seed: bytes) -> str:
         return f"{self._p}:epoch:{ns_seed.hex()}"
 
-    def _seal(self, ns_seed: bytes, epoch: int) -> str | bytes:
-        """An epoch value as stored: its decimal text, with a secret followed by its MAC."""
-        if self._auth is None:
+    def _seal(self, ns_seed: bytes, epoch: int, replaced: int = 0) -> str | bytes:
+        """An epoch value as stored: its decimal text, with a secret followed by its MAC and its
+        counter (above ``replaced``, the counter of the value it replaces, and the floor)."""
+        if self._auth is None or self._high is None:
             return str(epoch)
-        return self._auth.seal_text(b"epoch", self._key(ns_seed), str(epoch).encode())
+        return seal_epoch(self._auth, b"epoch", self._key(ns_seed), epoch, self._high.next(ns_seed, replaced))
+
+    def _read_floor(self, ns_seed: bytes) -> bytes | None:
+        try:
+            return self._tier.client.getrange(f"{self._p}:floor:{ns_seed.hex()}", 0, _EPOCH_BYTES - 1) or None
+        except Exception as e:
+            if not is_wrong_type(e):
+                raise
+            return None  # not a floor: the next write replaces it
+
+    def _write_floor(self, ns_seed: bytes, old: bytes | None, new: bytes) -> None:
+        """Replace the floor by ``new`` if it still holds ``old`` (None: missing; a key of another type raises)."""
+        self._tier.client.eval(self._CAS, 1, f"{self._p}:floor:{ns_seed.hex()}", old or b"", new, _EPOCH_BYTES)
 
     def _attempt(self, fn: Callable[[], T], default: T) -> T:
         return self._tier.breaker.call(fn, default)
@@ -114,11 +131,16 @@ class RedisEpochs(PolledEpochs):
                 created = True
                 client.set(key, self._seal(ns_seed, new_epoch()), nx=True)
                 continue
-            epoch = self._parse(key, raw)
+            epoch, counter = self._parse(key, raw)
             forged = epoch is None and self._auth is not None
-            if epoch is not None and (ns_seed, epoch) not in self.retired:
+            replayed = epoch is not None and self._high is not None and not self._high.allows(ns_seed, epoch, counter)
+            if epoch is not None and not replayed and (ns_seed, epoch) not in self.retired:
+                if self._high is not None:
+                    self._high.raise_to(ns_seed, epoch, counter)
                 return epoch
-            if forged:
+            if replayed:  # counted and logged by the floor
+                pass
+            elif forged:
                 self._tier.auth_failed("remote_auth_epochs", "%s holds %s, which fails its MAC; starting a new "
                                        "epoch", key, shown(raw))
             elif epoch is None:
@@ -139,7 +161,9 @@ class RedisEpochs(PolledEpochs):
         ``_CAS`` only if it still begins with what was read (two round trips; bumps are rare)."""
         client, key = self._tier.client, self._key(ns_seed)
         if expected is None:
-            client.set(key, self._seal(ns_seed, epoch))
+            value = self._seal(ns_seed, epoch)
+            client.set(key, value)
+            self._raise_floor(key, ns_seed, value)
             return True
         try:
             raw = client.getrange(key, 0, _EPOCH_BYTES - 1)
@@ -147,21 +171,32 @@ class RedisEpochs(PolledEpochs):
             if is_wrong_type(e):  # not an epoch: the next read repairs it
                 return False
             raise
-        if self._parse(key, raw) != expected:
+        stored, counter = self._parse(key, raw)
+        if stored != expected:
             return False
+        value = self._seal(ns_seed, epoch, counter)
         try:
-            return bool(client.eval(self._CAS, 1, key, raw, self._seal(ns_seed, epoch), _EPOCH_BYTES))
+            written = bool(client.eval(self._CAS, 1, key, raw, value, _EPOCH_BYTES))
         except Exception as e:  # it changed type meanwhile
             if is_wrong_type(e) or "WRONGTYPE" in str(e):
                 return False
             raise
+        if written:
+            self._raise_floor(key, ns_seed, value)
+        return written
 
-    def _parse(self, key: str, raw: bytes) -> int | None:
-        """The epoch a value holds, its MAC checked with a secret; None for anything else."""
+    def _raise_floor(self, key: str, ns_seed: bytes, value: str | bytes) -> None:
+        epoch, counter = self._parse(key, value if isinstance(value, bytes) else value.encode())
+        if self._high is not None and epoch is not None:
+            self._high.raise_to(ns_seed, epoch, counter)
+
+    def _parse(self, key: str, raw: bytes) -> tuple[int | None, int]:
+        """The epoch a value holds, its MAC checked with a secret (None for anything else), and its
+        counter (0 without a secret, or in a value of the format before counters)."""
         if self._auth is None:
-            return parse_epoch(raw)
-        text = self._auth.open_text(b"epoch", key, raw)
-        return None if text is None else parse_epoch(text)
+            return parse_epoch(raw[:64]), 0
+        opened = open_epoch(self._auth, b"epoch", key, raw)
+        return (None, 0) if opened is None else opened
 
     def _announce(self, ns_seed: bytes) -> None:
         try:

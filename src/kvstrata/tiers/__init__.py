@@ -37,7 +37,7 @@ def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None,
     bound = None if cfg.allow_stale_epoch else cfg.staleness_bound_s
     return tier, FileEpochs(tier.root / "epochs", tier.modes(), shared=True,
                             refresh_s=cfg.invalidation_ms / 1000, bound_s=bound, auth=auth, counters=counters,
-                            counter_prefix="remote")
+                            counter_prefix="remote", local_floor=floor)
 
 
 REMOTE_BACKENDS: dict[str, Callable[..., tuple[BlockTier, EpochStore]]] = {  # (counters, cfg, floor, auth)
