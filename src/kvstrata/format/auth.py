@@ -19,12 +19,14 @@ What is covered (``Auth``):
   or tier: each fails. A block that passes is what a holder of the secret wrote for that key, so
   its payload is not checksummed again (the MAC replaces the xxh3 pass on reads).
 - A Redis index entry: the header plus a tag over (domain, storage key, header).
-- Control values: an epoch (``<epoch>:<tag hex>``, bound to the namespace's storage name), a
-  namespace descriptor (``<json>\\n<tag hex>``), an epoch announcement (``<ns hex>:<tag hex>``).
+- Control values: an epoch (``<epoch>:<tag hex>:<counter>``, bound to the namespace's storage
+  name; the counter under the MAC makes a value written back from an older copy a refused replay:
+  ``epochs/floor.py``), a namespace descriptor (``<json>\\n<tag hex>``), an epoch announcement
+  (``<ns hex>:<tag hex>``).
 
 Not covered: tail sets (a forged member costs one index probe, which is authenticated); replays
-of values once valid (an old epoch is refused by the retired-epoch floor, as a restored snapshot
-is; an old block value is only valid under its own key and epoch); L1 (process memory).
+of other values once valid (an old block value is only valid under its own key and epoch); L1
+(process memory).
 
 Different secrets live apart: the key space (Redis names, the shared folder's subfolder) carries
 ``key_id``, a 32-bit id derived from the secret, so that deployments (tenants) with different
