@@ -10,6 +10,7 @@ against the key it was stored under without remembering what was written.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -94,3 +95,12 @@ def assert_payloads_match(keys: Iterable[bytes], out: torch.Tensor, n: int,
     """The first ``n`` rows of ``out`` are exactly the payloads of the first ``n`` keys."""
     for i, key in enumerate(list(keys)[:n]):
         assert torch.equal(out[i], payload_for(key, size)), f"block {i} has another block's bytes"
+
+
+def sglang_keys(seed: int, n: int) -> list[str]:
+    """Chained hex SHA-256 page keys, like SGLang's."""
+    keys, prev = [], b""
+    for i in range(n):
+        prev = hashlib.sha256(prev + f"{seed}:{i}".encode()).digest()
+        keys.append(prev.hex())
+    return keys

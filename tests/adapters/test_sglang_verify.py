@@ -6,7 +6,6 @@ real server: tests/engines/test_sglang_verify.py."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 from types import SimpleNamespace
 
@@ -17,18 +16,9 @@ from kvstrata.adapters.sglang.namespace import digests_of
 from kvstrata.adapters.sglang.pages import PageRows
 from kvstrata.adapters.sglang.verify import PageChecks, Sampled, page_segments
 from kvstrata.store import BlockStore
-from tests.builders import make_config, make_namespace
+from tests.builders import make_config, make_namespace, sglang_keys
 
 PAGE, LAYERS, HEADS, DIM, TOKENS = 16, 3, 2, 8, 256
-
-
-def sglang_keys(seed: int, n: int) -> list[str]:
-    """Chained hex SHA-256 page keys, like SGLang's."""
-    keys, prev = [], b""
-    for i in range(n):
-        prev = hashlib.sha256(prev + f"{seed}:{i}".encode()).digest()
-        keys.append(prev.hex())
-    return keys
 
 
 def host_pool(layout: str = "layer_first", *, mla: bool = False, dtype: torch.dtype = torch.bfloat16):

@@ -6,7 +6,6 @@ runs this file there as one child pytest. The file name keeps the main run from 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -15,6 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from tests.builders import sglang_keys
 from tests.harness.sglang_pool import extra_info, host_pool, storage_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,15 +23,6 @@ PAGE = 16
 
 
 # ============================================================================ in-process
-def sglang_keys(seed: int, n: int) -> list[str]:
-    """Chained hex SHA-256 page keys, like SGLang's."""
-    keys, prev = [], b""
-    for i in range(n):
-        prev = hashlib.sha256(prev + f"{seed}:{i}".encode()).digest()
-        keys.append(prev.hex())
-    return keys
-
-
 sys.path.insert(0, str(SHIMS))
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 import sglang_cpu_hook  # noqa: E402

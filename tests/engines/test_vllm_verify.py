@@ -103,6 +103,19 @@ def test_without_verification_the_planted_block_and_the_stale_weights_are_served
         assert not checks(engine.run([{"op": "counters"}])[0])
 
 
+def verified_clean(engine: StepEngine, prompts: list[list[int]], name: str) -> None:
+    """``prompts`` computed in one batch, vLLM's own prefix cache reset, then the same batch again
+    at ``sample_rate: 1.0``: 100+ blocks verified, none mismatched, the same outputs."""
+    (first,) = engine.run([{"op": "generate", "prompts": prompts, "max_tokens": 4}])
+    engine.run([{"op": "sleep", "s": 1.0}, {"op": "reset", "connector": False}])
+    (before,) = engine.run([{"op": "counters"}])
+    (again,) = engine.run([{"op": "generate", "prompts": prompts, "max_tokens": 4}])
+    d = delta(engine.run([{"op": "counters"}])[0], before)
+    print(f"{name}: {checks(d)} blocks verified, {mismatches(d)} mismatched; {d}")
+    assert checks(d) >= 100 and mismatches(d) == 0, d
+    assert again["tokens"] == first["tokens"]
+
+
 # The other model kinds of the suite: (engine dtype, block size, prompts, tokens each). MLA: vLLM's CPU
 # MLA backend takes block size 16 and no chunked prefill; hybrids: each KV cache group's blocks are
 # compared (full attention, sliding window, SSM states at block boundaries), bf16 for the SSM (the
@@ -123,14 +136,7 @@ def test_honest_traffic_on_every_model_kind_verifies_clean(kind, tmp_path):
     prompts = [ids(1000 + i, length) for i in range(n)]
     cfg = disk_config(tmp_path, verify="{sample_rate: 1.0}")
     with StepEngine(tiny_model(kind), tmp_path, cfg, name=kind, dtype=dtype, block_size=block_size) as engine:
-        (first,) = engine.run([{"op": "generate", "prompts": prompts, "max_tokens": 4}])
-        engine.run([{"op": "sleep", "s": 1.0}, {"op": "reset", "connector": False}])
-        (before,) = engine.run([{"op": "counters"}])
-        (again,) = engine.run([{"op": "generate", "prompts": prompts, "max_tokens": 4}])
-        d = delta(engine.run([{"op": "counters"}])[0], before)
-    print(f"{kind}: {checks(d)} blocks verified, {mismatches(d)} mismatched; {d}")
-    assert checks(d) >= 100 and mismatches(d) == 0, d
-    assert again["tokens"] == first["tokens"]
+        verified_clean(engine, prompts, kind)
 
 
 def test_a_planted_identity_hole_is_caught_and_answered_as_vllm_alone(model, tmp_path):
@@ -166,11 +172,4 @@ def test_honest_traffic_with_an_eagle_head_verifies_clean(model, tmp_path):
     prompts = [ids(1100 + i, 8 * BS + 5) for i in range(13)]
     cfg = disk_config(tmp_path, verify="{sample_rate: 1.0}")
     with StepEngine(model, tmp_path, cfg, name="eagle-verify", speculative=spec) as engine:
-        (first,) = engine.run([{"op": "generate", "prompts": prompts, "max_tokens": 4}])
-        engine.run([{"op": "sleep", "s": 1.0}, {"op": "reset", "connector": False}])
-        (before,) = engine.run([{"op": "counters"}])
-        (again,) = engine.run([{"op": "generate", "prompts": prompts, "max_tokens": 4}])
-        d = delta(engine.run([{"op": "counters"}])[0], before)
-    print(f"eagle: {checks(d)} blocks verified, {mismatches(d)} mismatched; {d}")
-    assert checks(d) >= 100 and mismatches(d) == 0, d
-    assert again["tokens"] == first["tokens"]
+        verified_clean(engine, prompts, "eagle")

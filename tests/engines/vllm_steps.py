@@ -87,7 +87,9 @@ def build(spec: dict):
 def _options(spec: dict) -> dict:
     """The spec's optional engine features, as ``vllm.LLM`` keywords (none by default)."""
     out: dict = {}
-    if _is_mla(spec["model"]):
+    from kvstrata.tools.bench.verify_worker import is_mla
+
+    if is_mla(spec["model"]):
         # vLLM's reference CPU MLA backend, on every CPU: where AMX is present vLLM picks AMX_MLA,
         # which refuses the fp32 mla preset ("expect weight to be bfloat16").
         out["attention_config"] = {"backend": "CPU_MLA"}
@@ -102,14 +104,6 @@ def _options(spec: dict) -> dict:
     if spec.get("limit_mm_per_prompt"):
         out["limit_mm_per_prompt"] = spec["limit_mm_per_prompt"]
     return out
-
-
-def _is_mla(model: str) -> bool:
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            return "kv_lora_rank" in json.load(f)
-    except (OSError, ValueError):
-        return False
 
 
 def _prompt(op: dict, spec: dict) -> dict:

@@ -77,15 +77,13 @@ def _segments(regions: list[int], layers: list[tuple[tuple[int, torch.dtype], ..
     if a layer has none or a dtype has no tolerance."""
     if not layers or any(not runs or any(d not in TOLERANCES for _, d in runs) for runs in layers):
         return ()
-    out, at = [], 0
-    lay = []
-    for i, runs in enumerate(layers):
-        for j, (n, dtype) in enumerate(runs):
-            lay.append((f"layer {i}" + (f" part {j}" if len(runs) > 1 else ""), at, n, dtype))
+    runs, at = [], 0  # (name, offset in a rank region, bytes, dtype) of every layer's runs
+    for i, layer in enumerate(layers):
+        for j, (n, dtype) in enumerate(layer):
+            runs.append((f"layer {i}" + (f" part {j}" if len(layer) > 1 else ""), at, n, dtype))
             at += n
-    for r, base in enumerate(regions):
-        out += [Segment(f"rank {r} {name}", base + off, n, dtype) for name, off, n, dtype in lay]
-    return tuple(out)
+    return tuple(Segment(f"rank {r} {name}", base + off, n, dtype)
+                 for r, base in enumerate(regions) for name, off, n, dtype in runs)
 
 
 def kv_dtype(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> torch.dtype:

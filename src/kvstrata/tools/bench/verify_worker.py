@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 READ_TIMEOUT_S = 60.0  # for the saves of a prompt to land in the store
 
 
-def _is_mla(model: str) -> bool:
+def is_mla(model: str) -> bool:
+    """Whether the model folder's config is an MLA model's (DeepSeek's ``kv_lora_rank``)."""
     try:
         with open(os.path.join(model, "config.json")) as f:
             return "kv_lora_rank" in json.load(f)
@@ -47,7 +48,7 @@ def build(spec: dict):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # EngineCore here: its store is readable
     from vllm import LLM
 
-    mla = _is_mla(spec["model"])
+    mla = is_mla(spec["model"])
     options: dict = {}
     if mla:  # vLLM's reference CPU MLA backend (AMX_MLA refuses fp32); it runs without chunked prefill
         options["attention_config"] = {"backend": "CPU_MLA"}
