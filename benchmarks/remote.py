@@ -9,11 +9,15 @@
   every value sealed with keyed BLAKE3, every read checked against its MAC (which replaces the
   payload's xxh3 pass); ``ratios.mac_get_time`` / ``mac_set_time`` are the time of an L3 get / set
   with the MAC over the same without (target: get at most 1.1);
-- ``l3_hit_ms`` / ``mac_l3_hit_ms``: an L3 hit through the store, without and with the MAC: a
-  fresh store (L1 and Redis, nothing local) looks up and loads a prompt another store saved, 12
-  blocks of 3 MiB (the 1,500-token prompt of ``bench ttft``'s ``small`` model); medians over
-  interleaved rounds, ``ratios.mac_l3_hit`` (target at most 1.1);
+- ``l3_hit_ms`` / ``mac_l3_hit_ms`` / ``enc_l3_hit_ms``: an L3 hit through the store, without a
+  secret, with the MAC, and with ``remote.encrypt`` (AES-256-GCM): a fresh store (L1 and Redis,
+  nothing local) looks up and loads a prompt another store saved, 12 blocks of 3 MiB (the
+  1,500-token prompt of ``bench ttft``'s ``small`` model); medians over interleaved rounds,
+  ``ratios.mac_l3_hit`` (target at most 1.1), ``ratios.enc_l3_hit`` (encrypt on over off, both
+  with the secret: target at most 1.15) and ``ratios.enc_l3_hit_vs_plain`` (over no secret);
 - ``mac_us``: per block size, the MAC of one block (``Auth.block_tag``) beside its xxh3-64;
+- ``aead``: per block size, one core's AES-256-GCM (as ``Seal`` runs it, and bare) beside
+  ChaCha20-Poly1305, GB/s (``remote_aead``);
 - ``invalidation_visible_ms``: median over 20 epoch bumps of the time until a second process sees
   the new epoch;
 - ``lookup_round_trips``: commands the server receives for one lookup of a 64-block prefix stored
@@ -43,12 +47,13 @@ from kvstrata.index import EntryMeta
 from kvstrata.keys import Namespace
 from kvstrata.store import BlockStore
 from tests.harness.redis_server import redis_server
+from benchmarks.remote_aead import aead_gbps
 
 NS = Namespace("bench", "bench-model", "v1", "bfloat16", "bench", 16)
 
 
-def _store(url: str, tmp: Path, name: str, secret: bool = False) -> BlockStore:
-    extra: dict[str, object] = {}
+def _store(url: str, tmp: Path, name: str, secret: bool = False, encrypt: bool = False) -> BlockStore:
+    extra: dict[str, object] = {"remote.encrypt": encrypt}
     if secret:
         key = tmp / f"{name}.key"  # one secret per name: every store of that name shares it
         if not key.exists():
@@ -61,19 +66,20 @@ def _store(url: str, tmp: Path, name: str, secret: bool = False) -> BlockStore:
 
 
 def _hit(url: str, tmp: Path, rounds: int, blocks: int = 12, block_bytes: int = 3 << 20) -> dict[str, float]:
-    """Median ms of a fresh store's lookup + load of ``blocks`` blocks from Redis, without and with
-    the MAC (the two interleaved round by round, so that drift hits both alike)."""
+    """Median ms of a fresh store's lookup + load of ``blocks`` blocks from Redis: no secret, the
+    MAC, the MAC and encryption (interleaved round by round, so that drift hits all alike)."""
     tokens = np.random.default_rng(1).integers(0, 30000, blocks * 16, dtype=np.uint32)
     payload = torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8)
-    times: dict[str, list[float]] = {"l3_hit_ms": [], "mac_l3_hit_ms": []}
-    for name, secret in (("l3_hit_ms", False), ("mac_l3_hit_ms", True)):
-        with _store(url, tmp, f"hit-{name}", secret) as writer:
+    configs = (("l3_hit_ms", False, False), ("mac_l3_hit_ms", True, False), ("enc_l3_hit_ms", True, True))
+    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    for name, secret, encrypt in configs:
+        with _store(url, tmp, f"hit-{name}", secret, encrypt) as writer:
             epoch, chain = writer.chain(NS, tokens)
             writer.save_now(NS, epoch, chain, payload)
             writer.flush()
     for r in range(rounds + 1):  # round 0 warms
-        for name, secret in (("l3_hit_ms", False), ("mac_l3_hit_ms", True)):
-            with _store(url, tmp, f"hit-{name}", secret) as reader:
+        for name, secret, encrypt in configs:
+            with _store(url, tmp, f"hit-{name}", secret, encrypt) as reader:
                 out = torch.empty_like(payload)
                 t = time.perf_counter()
                 hit = reader.lookup(NS, tokens)
@@ -236,8 +242,12 @@ def run(url: str | None = None, quick: bool = False) -> dict[str, object]:
             "mac_get_time": round(out["strata_redis_get_gbps"] / out["mac_redis_get_gbps"], 3),  # type: ignore[operator]
             "mac_set_time": round(out["strata_redis_set_gbps"] / out["mac_redis_set_gbps"], 3),  # type: ignore[operator]
             "mac_l3_hit": round(out["mac_l3_hit_ms"] / out["l3_hit_ms"], 3),  # type: ignore[operator]
+            # encrypt on over off (both with the secret): target <= 1.15
+            "enc_l3_hit": round(out["enc_l3_hit_ms"] / out["mac_l3_hit_ms"], 3),  # type: ignore[operator]
+            "enc_l3_hit_vs_plain": round(out["enc_l3_hit_ms"] / out["l3_hit_ms"], 3),  # type: ignore[operator]
         }
         out["mac_us"] = _mac_us()
+        out["aead"] = aead_gbps()
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 TIERS = ("l1", "l2", "remote")  # the tier names, as the config sections name them
 MAX_SAMPLES = 4096  # per histogram and interval: a stalled scraper must not grow memory
 
+CAUSES = ("own_share", "over_share", "lru", "epoch")  # why a block left a tier: ``kvstrata.tenants``
 TierListener = Callable[[str, Sequence[Any], bool], None]  # (tier name, EntryMetas, stored)
 
 
@@ -30,8 +31,10 @@ class MetricDef(NamedTuple):
     """One exported series: ``kvstrata_<name>`` (``_total`` added to counters by the client).
 
     ``source`` names the counter (or sample series) it is fed from; ``{tier}`` in it makes the
-    series carry a ``tier`` label, one child per tier in ``TIERS``, and ``{kind}`` a ``kind``
-    label, one child per name in ``kinds``."""
+    series carry a ``tier`` label, one child per tier in ``TIERS``, ``{kind}`` a ``kind`` label,
+    one child per name in ``kinds``, and ``{cause}`` a ``cause`` label, one per ``CAUSES``.
+    ``{tenant}`` (last in the source, after ``@``) makes a ``tenant`` label whose children are made
+    as tenants appear (``Children``)."""
 
     name: str
     kind: Literal["counter", "gauge", "histogram"]
@@ -47,13 +50,15 @@ class MetricDef(NamedTuple):
     @property
     def labels(self) -> list[str]:
         """The labels this series adds to the engine's own."""
-        return [label for label in ("tier", "kind") if "{" + label + "}" in self.source]
+        return [label for label in ("tier", "kind", "cause", "tenant") if "{" + label + "}" in self.source]
 
     def children(self) -> list[tuple[str, tuple[str, ...]]]:
-        """(source name, label values) of each child."""
+        """(source name, label values) of each child (for ``{tenant}``: the source's prefix)."""
         tiers = TIERS if self.per_tier else ("",)
         kinds = self.kinds if "{kind}" in self.source else ("",)
-        return [(self.source.format(tier=t, kind=k), tuple(v for v in (t, k) if v)) for t in tiers for k in kinds]
+        causes = CAUSES if "{cause}" in self.source else ("",)
+        return [(self.source.format(tier=t, kind=k, cause=c, tenant=""), tuple(v for v in (t, k, c) if v))
+                for t in tiers for k in kinds for c in causes]
 
 
 # the relative error of a verified block: honest recomputations lie below 1e-3 (float32) to 5e-2 (fp8)
@@ -77,6 +82,15 @@ METRICS: tuple[MetricDef, ...] = (
               kinds=("blocks", "entries", "epochs", "descriptors", "messages")),
     MetricDef("saves_dropped", "counter", "Blocks not saved because the save queue was full.", "saves_dropped"),
     MetricDef("evictions", "counter", "Blocks evicted from a tier for capacity.", "{tier}_evicted"),
+    MetricDef("evictions_by_cause", "counter", "Blocks that left a tier, by cause: own_share (the writer was over "
+              "its tenant's share, tenants.shares), over_share (another tenant over its share gave it up), lru (no "
+              "shares, or no tenant over its share), epoch (an older epoch of its namespace, reclaimed by gc).",
+              "{tier}_evicted_{cause}"),
+    MetricDef("tenant_bytes", "gauge", "Bytes of a tier's capacity a tenant holds (namespace.tenant; "
+              "'default' where empty).", "{tier}_tenant_bytes@{tenant}"),
+    MetricDef("tenant_blocks", "gauge", "Blocks of a tier a tenant holds.", "{tier}_tenant_blocks@{tenant}"),
+    MetricDef("tenant_share_bytes", "gauge", "The bytes of a tier a tenant keeps against the others "
+              "(tenants.shares; 0: none).", "{tier}_tenant_share_bytes@{tenant}"),
     MetricDef("invalidations", "counter", "Namespace invalidations (epoch bumps).", "invalidations"),
     MetricDef("invalidation_failures", "counter", "Invalidations the shared tier refused (the namespace serves "
               "nothing here until the new epoch is written).", "invalidation_failures"),
@@ -120,8 +134,35 @@ METRICS: tuple[MetricDef, ...] = (
 )
 
 
-SOURCES = {source: (m, values) for m in METRICS for source, values in m.children()}
-# counter / sample name -> (the series it feeds, its label values: tier, kind, or none)
+SOURCES = {source: (m, values) for m in METRICS if "{tenant}" not in m.source for source, values in m.children()}
+# counter / sample name -> (the series it feeds, its label values: tier, kind, cause, or none)
+PER_TENANT = {prefix: (m, values) for m in METRICS if "{tenant}" in m.source for prefix, values in m.children()}
+# ``<prefix>@`` of a per-tenant name (``<prefix>@<tenant>``) -> (the series, its label values before the tenant)
+
+
+class Children(dict):  # type: ignore[type-arg]
+    """Source name -> series child, made up front (``SOURCES``) and, for the per-tenant series, when
+    a tenant first appears (``PER_TENANT``)."""
+
+    def __init__(self, series: Mapping[str, Any], labelvalues: Sequence[object]) -> None:
+        super().__init__({source: series[m.name].labels(*labelvalues, *values) for source, (m, values) in SOURCES.items()})
+        self._series, self._labelvalues = series, tuple(labelvalues)
+
+    def find(self, name: str) -> Any:
+        child = self.get(name)
+        if child is None and "@" in name:
+            prefix, _, tenant = name.partition("@")
+            made = PER_TENANT.get(prefix + "@")
+            if made is not None and tenant:
+                m, values = made
+                child = self[name] = self._series[m.name].labels(*self._labelvalues, *values, tenant)
+        return child
+
+
+def kind_of(name: str) -> str | None:
+    """The kind of the series ``name`` feeds (None: it feeds none)."""
+    made = SOURCES.get(name) or PER_TENANT.get(name.partition("@")[0] + "@")
+    return None if made is None else made[0].kind
 
 
 # ------------------------------------------------------------ engine-neutral export helpers
@@ -151,25 +192,26 @@ def make_series(make: Mapping[str, Callable[..., Any]], labelnames: Sequence[str
     return out
 
 
-def bind_series(series: Mapping[str, Any], labelvalues: Sequence[object]) -> dict[str, Any]:
+def bind_series(series: Mapping[str, Any], labelvalues: Sequence[object]) -> Children:
     """Source name (``SOURCES``) -> the child of ``series`` it feeds, for one set of label values.
-    Children are made up front, so every series shows in a scrape (at 0) before its first event."""
-    return {source: series[m.name].labels(*labelvalues, *values) for source, (m, values) in SOURCES.items()}
+    Children are made up front, so every series shows in a scrape (at 0) before its first event;
+    those of a tenant, when the tenant first appears."""
+    return Children(series, labelvalues)
 
 
-def feed_series(children: Mapping[str, Any], figures: Figures) -> None:
+def feed_series(children: Children, figures: Figures) -> None:
     """Apply one interval's figures to the children ``bind_series`` made."""
     for name, delta in figures.counters.items():
-        child = children.get(name)
-        if child is not None and delta > 0 and SOURCES[name][0].kind == "counter":
+        child = children.find(name)
+        if child is not None and delta > 0 and kind_of(name) == "counter":
             child.inc(delta)
     for name, value in figures.gauges.items():
-        child = children.get(name)
-        if child is not None and SOURCES[name][0].kind == "gauge":
+        child = children.find(name)
+        if child is not None and kind_of(name) == "gauge":
             child.set(value)
     for name, values in figures.samples.items():
-        child = children.get(name)
-        if child is not None and SOURCES[name][0].kind == "histogram":
+        child = children.find(name)
+        if child is not None and kind_of(name) == "histogram":
             for v in values:
                 child.observe(v)
 

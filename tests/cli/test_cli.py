@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -55,6 +56,25 @@ def test_stats_reports_tiers_namespaces_and_epochs(tmp_path):
     current = data["current_epochs"][NS.id]
     assert data["namespaces"][NS.id] == {current: {"blocks": 9, "bytes": 9 * 1024}}
     assert "kvstrata tiers" in kvstrata("stats", "--config", str(cfg)).stdout
+
+
+def test_stats_shows_what_each_tenant_holds_against_its_share(tmp_path):
+    """Two engines' namespaces (tenants a and b) described on one disk tier: ``kvstrata stats``, a
+    process serving neither, names each tenant from the namespaces' descriptors."""
+    cfg = config_file(tmp_path)
+    cfg.write_text(cfg.read_text() + "tenants:\n  shares:\n    l2:\n      a: 0.25\n      '*': 64MiB\n")
+    with BlockStore(load_config(cfg)) as store:
+        for tenant, prompts in (("a", 2), ("b", 1)):
+            ns = dataclasses.replace(NS, tenant=tenant)
+            store.describe(ns)
+            for p in range(prompts):
+                epoch, chain = store.chain(ns, np.arange(p * 1000, p * 1000 + 40))
+                store.save_now(ns, epoch, chain, torch.full((len(chain.keys), 1024), p, dtype=torch.uint8))
+    data = json.loads(kvstrata("stats", "--config", str(cfg), "--json").stdout)["tenants"]["l2"]
+    assert data["a"]["blocks"] == 6 and data["b"]["blocks"] == 3
+    assert data["a"]["share_bytes"] == 64 << 20 and data["b"]["share_bytes"] == 64 << 20
+    out = kvstrata("stats", "--config", str(cfg)).stdout
+    assert "tenants (namespace.tenant)" in out and "64.0 MiB" in out
 
 
 def test_invalidate_then_gc_empties_the_namespace(tmp_path):

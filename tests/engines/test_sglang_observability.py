@@ -185,6 +185,7 @@ def test_histograms_have_samples_and_gauges_show_what_is_resident(served):
         == stored
     assert series(m1, "kvstrata_bytes_written_total", tier="l1") == series(m1, "kvstrata_resident_bytes", tier="l1") > 0
     assert series(m1, "kvstrata_bytes_written_total", tier="l2") > 0
+    assert series(m1, "kvstrata_tenant_blocks", tier="l2", tenant="default") == stored  # namespace.tenant empty
 
 
 @needs_sglang

@@ -1,12 +1,14 @@
-"""A real vLLM engine (CPU, tiny model) with an authenticated Redis shared tier (a secret),
-fed forged values while it serves, and sharing its Redis with a second tenant that holds another
-secret.
+"""A real vLLM engine (CPU, tiny model) with an authenticated and encrypted Redis shared tier (a
+secret, ``remote.encrypt: true``: every payload is AES-256-GCM ciphertext), fed forged values while
+it serves, and sharing its Redis with a second tenant that holds another secret. Every answer equal
+to vLLM alone's, with hits read from Redis, is the proof that encrypted blocks are served intact.
 
 One engine start. Its L1 is small (40 blocks) and it has no disk tier, so the prompts it stored
 first are soon held by Redis only, and asking for them again reads Redis. Every prompt is LONG
 under its own cache salt (its own keys, the same outputs), so one baseline run without kvstrata
 checks every answer. Each forgery is made with well-formed values and valid checksums, as a
-host that can write to Redis but holds no secret can: each must be a miss, counted by kind.
+host that can write to Redis but holds no secret can (and one flipped ciphertext bit): each must
+be a miss, counted by kind.
 
 The second tenant is a store in this process with secret B, on the same Redis, the same
 namespace, prompt and salt as the engine (it reads the engine's namespace from Redis, as anyone
@@ -28,7 +30,8 @@ import xxhash
 from tests.harness import redisutil
 from kvstrata import BlockStore
 from kvstrata.format.auth import Auth
-from kvstrata.format.block import HEADER, HEADER_SIZE, payload_checksum, unpack_header
+from kvstrata.format.block import HEADER, HEADER_SIZE, is_sealed, payload_checksum, unpack_header
+from kvstrata.format.seal import Seal
 from kvstrata.config import load_config
 from kvstrata.epochs.descriptors import decode as decode_descriptor
 from kvstrata.keys import extra_digest
@@ -41,7 +44,7 @@ SECRET_A = os.urandom(32).hex().encode()
 SECRET_B = os.urandom(32).hex().encode()
 KID = Auth(SECRET_A).key_id
 BAD_BLOCK = 4  # the block whose values are forged; blocks 0-3 load, the rest is recomputed
-CASES = ["xxh3", "namespace", "copied", "planted"]
+CASES = ["xxh3", "namespace", "copied", "planted", "bitflip"]
 FILLERS = 3  # prompts stored after the cases, pushing them out of L1
 
 
@@ -52,12 +55,13 @@ def auth_config(tmp: Path, url: str) -> Path:
     path = tmp / "auth.yaml"
     path.write_text("\n".join([
         "l1:", "  size: 2560KiB", "l2:", "  enabled: false",
-        "remote:", "  enabled: true", f"  url: {url}", "  timeout_ms: 500", f"  auth_key_file: {key}"]) + "\n")
+        "remote:", "  enabled: true", f"  url: {url}", "  timeout_ms: 500", f"  auth_key_file: {key}",
+        "  encrypt: true"]) + "\n")
     return path
 
 
 def rewritten(header: bytes, **changes: object) -> bytes:
-    """``header`` with ``changes``, its own xxh3 valid and its MAC tag kept."""
+    """``header`` with ``changes``, its own xxh3 valid and its AEAD tag and nonce kept."""
     fields = list(HEADER.unpack(header[: HEADER.size]))
     for i, field in enumerate(["key", "parent", "ns_seed", "fp", "checksum", "epoch", "size", "ntok"]):
         if field in changes:
@@ -74,20 +78,25 @@ def forge(client: redis.Redis, case: str, keys: list[bytes]) -> None:
     p, i = name(keys[BAD_BLOCK], "p"), name(keys[BAD_BLOCK], "i")
     value = client.get(p)
     assert value is not None and len(value) > HEADER_SIZE, f"{case}: the engine did not store block {BAD_BLOCK}"
-    if case == "xxh3":  # other KV, the checksum recomputed
+    assert is_sealed(value), f"{case}: the engine stored a plaintext block"
+    if case == "xxh3":  # other KV (bytes), the checksum (of the stored bytes) recomputed
         payload = bytes(reversed(value[HEADER_SIZE:]))
         client.set(p, rewritten(value, checksum=payload_checksum(payload)) + payload)
     elif case == "namespace":  # the header rewritten to another namespace
         client.set(p, rewritten(value, ns_seed=os.urandom(16)) + value[HEADER_SIZE:])
     elif case == "copied":  # a valid block of the same prompt, copied to this key
         client.set(p, client.get(name(keys[BAD_BLOCK + 2], "p")))
-    elif case == "planted":  # tenant B's MACs (valid under B) for this very block, with other KV
+    elif case == "planted":  # sealed under tenant B's secret (valid under B) for this very block, other KV
         b = Auth(SECRET_B)
         meta = unpack_header(value)
-        payload = bytes(reversed(value[HEADER_SIZE:]))
-        header = b.seal_header(b"redis", meta._replace(checksum=payload_checksum(payload)), [memoryview(payload)])
-        client.set(p, header + payload)
+        sealed = bytearray(meta.size)
+        header = Seal(b).seal(b"redis", meta, [memoryview(bytes(meta.size))], memoryview(sealed))
+        client.set(p, header + bytes(sealed))
         client.set(i, header + b.tag(b"entry:redis", meta.key, header))
+    elif case == "bitflip":  # one ciphertext bit flipped, the header untouched
+        flipped = bytearray(value)
+        flipped[HEADER_SIZE + 1000] ^= 0x04
+        client.set(p, bytes(flipped))
 
 
 def test_engine_refuses_forged_values_and_never_hits_another_tenants_blocks(model, baseline, vllm_engine, tmp_path):
@@ -126,7 +135,7 @@ def test_engine_refuses_forged_values_and_never_hits_another_tenants_blocks(mode
         key_b.write_bytes(SECRET_B)
         with BlockStore(load_config(None, {"l1.size": "8MiB", "l1.pin_memory": False, "l2.enabled": False,
                                            "remote.enabled": True, "remote.url": url,
-                                           "remote.auth_key_file": str(key_b)})) as tenant_b:
+                                           "remote.auth_key_file": str(key_b), "remote.encrypt": True})) as tenant_b:
             tokens, extra = np.array(LONG, np.uint32), extra_digest(["salt:tenant"])
             assert tenant_b.lookup(ns, tokens, extra).num_blocks == 0  # never the engine's blocks
             b_epoch, chain = tenant_b.chain(ns, tokens, extra, partial=False)

@@ -173,6 +173,10 @@ def test_histograms_have_samples_and_gauges_show_what_is_resident(served):
     assert series(m1, "kvstrata_resident_blocks", tier="l1") == FULL + 2  # and the tails of both prompts
     assert series(m1, "kvstrata_bytes_written_total", tier="l1") == series(m1, "kvstrata_resident_bytes", tier="l1")
     assert series(m2, "kvstrata_bytes_written_total", tier="l2") > 0
+    # What each tenant holds (one tenant here: the empty namespace.tenant, named default), and why blocks left.
+    assert series(m1, "kvstrata_tenant_blocks", tier="l1", tenant="default") == FULL + 2
+    assert series(m1, "kvstrata_tenant_bytes", tier="l1", tenant="default") == series(m1, "kvstrata_resident_bytes", tier="l1")
+    assert 'kvstrata_evictions_by_cause_total{' in m1 and 'cause="own_share"' in m1
     # The series carry vLLM's own labels.
     assert any(line.startswith("kvstrata_hit_blocks_total{") and 'engine="0"' in line and 'model_name="' in line
                for line in m2.splitlines())

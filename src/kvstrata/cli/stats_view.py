@@ -1,7 +1,8 @@
 """cli/stats_view.py: ``kvstrata stats`` for a person (``render``): sizes in binary units
 (``size_text``: ``1.2 GiB``), each namespace named by its model, weights version, KV dtype, layout,
 tenant and key scheme (its descriptor, see ``describe``), whether this store has joined its epoch
-(see ``joins``; a process that only reads stats always has), its verified hits (``verified_lines``:
+(see ``joins``; a process that only reads stats always has), what each tenant holds of each tier
+(``_tenants``, shown once there are two tenants or shares), its verified hits (``verified_lines``:
 checks, mismatches and the last mismatch, of every process sharing the store, from the namespace's
 verification record), and the counters that are not zero.
 
@@ -44,6 +45,10 @@ def render(data: Mapping[str, Any], console: Console) -> None:
                            f"{size_text(est['l2_bytes'])} in all. The figures below are what is counted so far.",
                            style="yellow"), soft_wrap=True)
     console.print(_tiers(data["tiers"]))
+    tenants = data.get("tenants", {})
+    if len({t for held in tenants.values() for t in held}) > 1 or any(
+            f["share_bytes"] for held in tenants.values() for f in held.values()):
+        console.print(_tenants(tenants))
     described = data.get("descriptors", {})
     current, spaces = data["current_epochs"], data["namespaces"]
     ids = sorted(set(spaces) | set(current),
@@ -80,6 +85,19 @@ def _tiers(tiers: Mapping[str, Mapping[str, int]]) -> Table:
         table.add_row(Text(name), str(t["blocks"]), size_text(t["bytes"]),
                       size_text(cap) if bounded else "no limit",
                       f"{100 * t['bytes'] / cap:.0f}%" if bounded else "-")
+    return table
+
+
+def _tenants(tenants: Mapping[str, Mapping[str, Mapping[str, int]]]) -> Table:
+    """What each tenant holds of each tier, against its share (``tenants.shares``; docs/tenants.md)."""
+    table = Table(title="tenants (namespace.tenant)")
+    for col, justify in (("tier", "left"), ("tenant", "left"), ("blocks", "right"), ("used", "right"),
+                         ("share", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for tier, held in tenants.items():
+        for tenant, f in held.items():
+            table.add_row(Text(tier), Text(tenant), str(f["blocks"]), size_text(f["bytes"]),
+                          size_text(f["share_bytes"]) if f["share_bytes"] else "-")
     return table
 
 

@@ -93,6 +93,10 @@ class L2Config(_Model):
     """MAC every disk block (and epoch file) under the deployment secret (``remote.auth_key_file``
     or ``$KVSTRATA_AUTH_KEY``), as the shared tier is: for a host where others can write the L2
     folder. Off: L2 is trusted through its file modes (0700/0600)."""
+    encrypt: bool = False
+    """Encrypt every disk block's payload (AES-256-GCM under a per-namespace key derived from the
+    deployment secret; ``kvstrata.format.seal``), which also authenticates it: for a host where
+    others can read the L2 folder. Needs a secret, as ``authenticate`` does, and implies it."""
 
     @field_validator("path", mode="after")
     @classmethod
@@ -121,7 +125,11 @@ class RemoteConfig(_Model):
     path: Path | None = None
     """``fs`` backend: the shared folder (NFS, CephFS, JuiceFS, Lustre, ...)."""
     size: Size = 2**40
-    """``fs`` backend: capacity; ``kvstrata gc`` and writers delete least recently used beyond it."""
+    """The shared tier's capacity. ``fs`` backend: ``kvstrata gc`` deletes least recently read blocks
+    beyond it. ``redis`` backend: used only with ``tenants.shares.remote`` (which needs it set
+    explicitly): writers then keep the key space within it, tenant by tenant (docs/tenants.md), and
+    Redis' ``maxmemory`` must be above it (plus about 200 bytes of Redis overhead per block).
+    Without shares Redis' own ``maxmemory`` bounds the tier."""
     key_prefix: str = "kvstrata"
     timeout_ms: int = Field(200, gt=0)
     """Every remote call gives up after this long; the engine then recomputes."""
@@ -142,6 +150,11 @@ class RemoteConfig(_Model):
     Unset: ``$KVSTRATA_AUTH_KEY``, else the shared tier is unauthenticated (a warning at start).
     Deployments (tenants) with different secrets share one Redis or folder without ever serving
     each other's blocks. The secret itself never goes in the YAML."""
+    encrypt: bool = False
+    """Encrypt every block's payload on the shared tier (AES-256-GCM under a per-tenant key derived
+    from the deployment secret, one random nonce per write; ``kvstrata.format.seal``): a Redis dump
+    or the shared folder's files then reveal no payload byte. Needs the secret
+    (``auth_key_file`` or ``$KVSTRATA_AUTH_KEY``). Index entries stay MAC'd, not encrypted."""
 
     @property
     def staleness_bound_s(self) -> float:
@@ -250,6 +263,59 @@ class KeysConfig(_Model):
     stored under the other."""
 
 
+def parse_share(value: Any) -> float | int:
+    """A tier share: a fraction (``0.5`` or ``50%``) of the tier's capacity, or a size (``8GiB``, or a
+    byte count of at least 4096)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a fraction like 0.5 or 50%, or a size like 8GiB")
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            value = float(Decimal(value.strip()[:-1]) / 100)
+        except ArithmeticError:
+            raise ValueError("expected a percentage like 50%") from None
+    if isinstance(value, float):
+        if not 0 <= value <= 1:
+            raise ValueError("expected a fraction in [0, 1] of the tier (or a size like 8GiB)")
+        return value
+    n = parse_size(value)
+    if n < 4096:
+        raise ValueError(f"a share of {n} bytes; write a fraction as 0.5 or 50% (1.0: the whole tier), "
+                         "or a size like 8GiB")
+    return n
+
+
+Share = Annotated[float | int, BeforeValidator(parse_share)]
+DEFAULT_TENANT = "default"  # the tenant of namespaces whose ``namespace.tenant`` is empty
+OTHER_TENANTS = "*"  # in a tier's shares: the share of each tenant not named there
+
+
+class TenantsConfig(_Model):
+    """The ``tenants:`` section: fair shares of each tier between tenants (``kvstrata.tenants``,
+    docs/tenants.md). A tenant is the ``namespace.tenant`` of the engine that stored a block
+    (empty: the tenant ``default``)."""
+
+    shares: dict[Literal["l1", "l2", "remote"], dict[str, Share]] = {}
+    """Per tier, per tenant: the part of the tier a tenant keeps against the others, as a fraction
+    of the tier's capacity or a size; ``"*"`` is the share of each tenant not named. A tenant may
+    use free room beyond its share; once the tier is full, a tenant over its share evicts its own
+    blocks first, and a tenant within its share loses blocks only after every tenant over its
+    share has none left to give. A tier with no shares is one LRU for all. ``remote`` on Redis
+    needs ``remote.size``: kvstrata then keeps the key space under it itself."""
+
+    @field_validator("shares")
+    @classmethod
+    def _fit(cls, v: dict[str, dict[str, float | int]]) -> dict[str, dict[str, float | int]]:
+        for tier, shares in v.items():
+            for name in shares:
+                if not 0 < len(name) <= 64 or not name.isprintable():
+                    raise ValueError(f"{tier}: tenant name {name[:80]!r} must be 1 to 64 printable characters")
+            total = sum(s for name, s in shares.items() if isinstance(s, float) and name != OTHER_TENANTS)
+            if total > 1 + 1e-9:
+                raise ValueError(f"{tier}: the named tenants' fractions add up to {total:g}, more than the "
+                                 "whole tier (1.0)")
+        return v
+
+
 class StrataConfig(_Model):
     namespace: NamespaceConfig = NamespaceConfig()
     keys: KeysConfig = KeysConfig()
@@ -263,7 +329,23 @@ class StrataConfig(_Model):
     logged as overdue, and kept: a pin lasts until its holder gives it back or is gone (its lease
     dropped, its process ended), never a deadline that could run out under an engine's copy."""
     verify: VerifyConfig = VerifyConfig()
+    tenants: TenantsConfig = TenantsConfig()
     testing: TestingConfig = TestingConfig()
+
+    @model_validator(mode="after")
+    def _remote_shares(self) -> "StrataConfig":
+        """Shares of the shared tier need its capacity: Redis has none of kvstrata's otherwise (its
+        own ``maxmemory`` evicts), and the shared folder's gc is one LRU over the folder."""
+        remote = self.remote
+        if not self.tenants.shares.get("remote") or not remote.enabled:
+            return self
+        if remote.backend == "fs":
+            raise ValueError("tenants.shares.remote: the shared folder (remote.backend: fs) keeps no account per "
+                             "tenant; shares of the shared tier need remote.backend: redis")
+        if "size" not in remote.model_fields_set:
+            raise ValueError("tenants.shares.remote on Redis needs remote.size set: the bytes of the key space "
+                             "kvstrata keeps, tenant by tenant (below Redis' maxmemory, which must not evict)")
+        return self
 
     @property
     def source(self) -> str:

@@ -15,17 +15,17 @@ the id, every backend and MAC'd value carries it unchanged). A flush (``bump``) 
 reset after a weight update (``reset``) starts a new one, which the other instances serve only
 once they have joined it (``joins``); an epoch made after state loss is of generation 0.
 
-Why random ids and not a counter: epoch state can be lost (an evicted or deleted Redis key, a Redis
-restart without persistence, ``FLUSHDB``, a deleted ``epochs/`` folder). A counter then restarts at
-0 and hands out values that already had blocks, which makes invalidated blocks valid again. A lost
-epoch is replaced by a fresh random one (created with an atomic create-if-absent, so every
-process sharing the state agrees on it): state loss costs hits, never correctness. A new epoch
-repeats one of its generation (or a new generation an old one) with probability 2^-32 per bump.
+Why random ids and not a counter alone: epoch state can be lost (an evicted Redis key, a restart
+without persistence, ``FLUSHDB``, a deleted ``epochs/`` folder); a counter would restart at 0 and
+revalidate invalidated blocks. A lost epoch is replaced by a fresh random one (an atomic
+create-if-absent: every process agrees on it), so state loss costs hits, never correctness. A new
+epoch repeats one of its generation (or a new generation an old one) with probability 2^-32.
 
-The remaining way back is a *restore* of old state (a backup of the epochs folder, a Redis snapshot
-taken before a bump). Every store therefore remembers the epochs it has seen replaced
-(``retired``, bounded, and kept on disk where the store has a folder: the local floor) and treats a
-retired epoch read back as lost state: it is replaced by a fresh one.
+A *restore* of old state (a backup, a Redis snapshot taken before a bump) is the way back: every
+store remembers the epochs it has seen replaced (``retired``, bounded, on disk where it has a
+folder) and replaces a retired epoch read back by a fresh one. With a secret, an epoch value also
+carries a counter under its MAC and every store keeps the highest seen (the floor, ``epochs/floor.py``,
+also MAC'd in the shared tier): an older value written back is refused.
 
 Where the epoch lives decides who sees a bump: ``MemoryEpochs`` (this process),
 ``FileEpochs`` in ``epochs/folder.py`` (every process sharing a folder: one small file per

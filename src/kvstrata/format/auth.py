@@ -28,6 +28,9 @@ Not covered: tail sets (a forged member costs one index probe, which is authenti
 of other values once valid (an old block value is only valid under its own key and epoch); L1
 (process memory).
 
+The secret also keys the AEAD of a confidential tier (``remote.encrypt``, ``l2.encrypt``:
+``seal``): ``aead_key`` derives one key per namespace from it, under another context.
+
 Different secrets live apart: the key space (Redis names, the shared folder's subfolder) carries
 ``key_id``, a 32-bit id derived from the secret, so that deployments (tenants) with different
 secrets on one Redis never look up, count or delete each other's values, and anything planted
@@ -48,6 +51,7 @@ ENV = "KVSTRATA_AUTH_KEY"
 MIN_SECRET_BYTES = 32
 MAX_SECRET_BYTES = 4096
 _CONTEXT = "kvstrata 2026-12 tier MAC v1"
+_AEAD_CONTEXT = "kvstrata 2026-12 tier AEAD v1"  # a root independent of the MAC key (``seal``)
 
 
 class SecretError(ValueError):
@@ -100,7 +104,13 @@ class Auth:
         b3 = _blake3()
         self._b3 = b3
         self._key = b3(secret, derive_key_context=_CONTEXT).digest()
+        self._aead_root = b3(secret, derive_key_context=_AEAD_CONTEXT).digest()
         self.key_id = b3(b"key id", key=self._key).hexdigest(4)
+
+    def aead_key(self, ns_seed: bytes) -> bytes:
+        """The 256-bit AEAD key of one namespace (``seal``): keyed BLAKE3 of its seed under a root
+        derived from the secret. The seed includes the tenant, so this is a per-tenant key."""
+        return self._b3(b"namespace:" + ns_seed, key=self._aead_root).digest()
 
     def _mac(self, kind: bytes, name: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
         h = self._b3(key=self._key)

@@ -2,10 +2,12 @@
 payload. Owns ``pack_header`` / ``unpack_header``, the payload checksum, and ``verify_block``: the
 one check of a block read back from a tier that leaves the process.
 
-Layout (little endian): magic ``KVSB``, format version u16, flags u16 (bit 0: partial block),
-key, parent key and namespace seed (16 B each), fingerprint, payload checksum (xxh3-64), epoch and
-payload size (u64 each), token count u32, the MAC tag (16 bytes, zero unless the tier is
-authenticated: see ``auth``), padding, then an xxh3-64 of the preceding 120 bytes.
+Layout (little endian): magic ``KVSB``, format version u16, flags u16 (bit 0: partial block;
+bit 1: sealed, the payload is AEAD ciphertext: see ``seal``), key, parent key and namespace seed
+(16 B each), fingerprint, payload checksum (xxh3-64 of the stored payload bytes: the ciphertext
+of a sealed block), epoch and payload size (u64 each), token count u32, the MAC or AEAD tag (16
+bytes, zero unless the tier is authenticated: see ``auth``), the AEAD nonce (12 bytes, zero
+unless sealed; padding in headers written before it), then an xxh3-64 of the preceding 120 bytes.
 Nothing read back is trusted: every field is bounds-checked and the header has its own checksum,
 so a torn or foreign file is rejected before its size is used. Never pickle.
 """
@@ -21,13 +23,17 @@ from kvstrata.index import EntryMeta
 from kvstrata.keys import FORMAT_VERSION
 
 MAGIC = b"KVSB"
-HEADER = struct.Struct("<4sHH16s16s16sQQQQI16s12x")
+HEADER = struct.Struct("<4sHH16s16s16sQQQQI16s12s")
 HEADER_SIZE = HEADER.size + 8
 MAX_BLOCK_BYTES = 1 << 32
-_TAIL = 1
+_TAIL, _SEALED = 1, 2  # flag bits
+FLAGS_AT = 6
+CHECKSUM_AT = 64  # the payload checksum's 8 bytes (a sealed block's AEAD covers the header without them)
 TAG_AT, TAG_SIZE = 92, 16  # where the MAC tag sits (``auth``): right after the fields it covers
-NO_TAG = bytes(TAG_SIZE)
-assert HEADER_SIZE == 128 and struct.calcsize("<4sHH16s16s16sQQQQI") == TAG_AT
+NONCE_AT, NONCE_SIZE = 108, 12  # a sealed block's AEAD nonce (``seal``): the former padding
+NO_TAG, NO_NONCE = bytes(TAG_SIZE), bytes(NONCE_SIZE)
+assert HEADER_SIZE == 128 and struct.calcsize("<4sHH16s16s16sQQQQI") == TAG_AT == NONCE_AT - TAG_SIZE
+assert struct.calcsize("<4sHH16s16s16sQ") == CHECKSUM_AT and struct.calcsize("<4sH") == FLAGS_AT
 
 
 class FormatError(ValueError):
@@ -42,12 +48,19 @@ class FormatError(ValueError):
         self.corrupt = corrupt
 
 
-def pack_header(meta: EntryMeta, tag: bytes = NO_TAG) -> bytes:
+def pack_header(meta: EntryMeta, tag: bytes = NO_TAG, nonce: bytes | None = None) -> bytes:
+    """``meta``'s header; with a ``nonce``, a sealed block's (the sealed flag set, ``seal``)."""
+    flags = (_TAIL if meta.tail else 0) | (0 if nonce is None else _SEALED)
     body = HEADER.pack(
-        MAGIC, FORMAT_VERSION, _TAIL if meta.tail else 0, meta.key, meta.parent, meta.ns_seed,
-        meta.fp, meta.checksum, meta.epoch, meta.size, meta.ntok, tag,
+        MAGIC, FORMAT_VERSION, flags, meta.key, meta.parent, meta.ns_seed,
+        meta.fp, meta.checksum, meta.epoch, meta.size, meta.ntok, tag, NO_NONCE if nonce is None else nonce,
     )
     return body + xxhash.xxh3_64_digest(body)
+
+
+def is_sealed(header: bytes | bytearray | memoryview) -> bool:
+    """Whether ``header`` (at least its first 8 bytes) has the sealed flag: AEAD ciphertext follows."""
+    return bool(header[FLAGS_AT] & _SEALED)
 
 
 def unpack_header(buf: bytes | memoryview, where: str = "block") -> EntryMeta:
@@ -57,7 +70,7 @@ def unpack_header(buf: bytes | memoryview, where: str = "block") -> EntryMeta:
     body = bytes(buf[: HEADER.size])
     if xxhash.xxh3_64_digest(body) != bytes(buf[HEADER.size : HEADER_SIZE]):
         raise FormatError(f"{where}: header checksum mismatch")
-    magic, version, flags, key, parent, ns_seed, fp, checksum, epoch, size, ntok, _tag = HEADER.unpack(body)
+    magic, version, flags, key, parent, ns_seed, fp, checksum, epoch, size, ntok, _tag, _nonce = HEADER.unpack(body)
     if magic != MAGIC:
         raise FormatError(f"{where}: bad magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
@@ -127,7 +140,10 @@ def verify_block(meta: EntryMeta, header: bytes | bytearray, payload_size: int,
 
     The fast path is one comparison with the header ``meta`` packs to. Otherwise the header is
     parsed, only to say what is wrong, to learn a checksum ``meta`` lacks, or to accept the same
-    block written again by another writer, with its own checksum."""
+    block written again by another writer, with its own checksum. A sealed (encrypted) block is
+    a ``bad_header`` here: only a tier that holds its key reads it (``seal``)."""
+    if len(header) > FLAGS_AT and is_sealed(header):
+        return Mismatch("bad_header", "it is sealed (encrypted), and this tier holds no key to open it")
     if not meta.checksum or header != pack_header(meta):
         stored = stored_header(header, meta, where)
         if isinstance(stored, Mismatch):

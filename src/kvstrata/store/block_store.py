@@ -74,7 +74,7 @@ class BlockStore(KeyMethods):
         self._group_lookups = GroupLookup(self._parts)
         self._loader = Loader(self._parts, self._writer, self._evictor)
         self._arena = Arena(self._parts.l1)
-        self._scopes = Scopes(self._parts.keys.name)
+        self._scopes = Scopes(self._parts.keys.name, self._parts.tenants)
         self._bumps = Bumps(self._parts, self._evictor)
         self._verifier = Verifier(self._parts, self._evictor)
         if self._parts.recovery is not None:

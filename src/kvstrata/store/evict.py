@@ -20,8 +20,10 @@ import torch
 from kvstrata.format.block import payload_checksum
 from kvstrata.index import EntryMeta
 from kvstrata.index.blockindex import RETIRED
+from kvstrata.tenants import EPOCH
 from kvstrata.tiers import BlockTier, DiskTier
 from kvstrata.store.parts import Parts
+from kvstrata.store.shares import Shares
 from kvstrata.store.protocol import Reservation
 
 _EVICT_BATCH = 16
@@ -34,6 +36,7 @@ _COUNT_WAIT_S = 2.0
 class Evictor:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
+        self.shares = Shares(parts)
         self._lock = threading.Lock()  # one reservation evicts at a time
         self._holder = 0  # the thread holding ``_lock`` (it never waits for L2's count: prepare_store would)
         self._unreported = Counter[str]()  # dropped by the end of L2's count, reported by the next gc()
@@ -55,18 +58,19 @@ class Evictor:
             try:
                 slots = parts.l1.reserve(len(metas), size)
                 while len(slots) < len(metas):
-                    victims = parts.index.lru_victims(parts.l1.bit, len(metas) - len(slots))
+                    short = len(metas) - len(slots)
+                    victims = self.shares.victims(parts.l1, short, metas[0].ns_seed, short * size)
                     if not victims:
-                        parts.counters.inc("l1_full", len(metas) - len(slots))
+                        parts.counters.inc("l1_full", short)
                         break
-                    evicted += [meta for meta in map(self._evict_l1, victims) if meta is not None]
+                    evicted += [meta for meta in (self._evict_l1(row, cause) for row, cause in victims) if meta]
                     slots += parts.l1.reserve(len(metas) - len(slots), size)
             finally:
                 self._holder = 0
         parts.counters.tier_changed(parts.l1.name, evicted, False)
         return Reservation(metas[: len(slots)], slots)
 
-    def _evict_l1(self, row: int) -> EntryMeta | None:
+    def _evict_l1(self, row: int, cause: str) -> EntryMeta | None:
         """Evict the block at ``row`` from L1 (demoting it first if so configured); its meta if evicted."""
         parts = self.parts
         meta = parts.index.meta(row)
@@ -86,6 +90,7 @@ class Evictor:
             return None
         parts.l1.delete(meta.key)
         parts.counters.inc("l1_evicted")
+        parts.counters.inc(f"l1_evicted_{cause}")
         return meta
 
     def write_backing(self, metas: list[EntryMeta], payloads: Sequence[torch.Tensor],
@@ -97,7 +102,7 @@ class Evictor:
                  for m, p in zip(metas, payloads)]
         first = 0
         for tier in self.parts.backing if tiers is None else tiers:
-            self.make_room(tier, sum(tier.stored_bytes(m.size) for m in metas))
+            self.make_room(tier, sum(tier.stored_bytes(m.size) for m in metas), metas[0].ns_seed if metas else None)
             ok = tier.write_many(metas, list(payloads))
             committed = self.commit([m for m, good in zip(metas, ok) if good], tier)
             self.enforce_capacity(tier)
@@ -114,15 +119,16 @@ class Evictor:
     def enforce_capacity(self, tier: BlockTier) -> None:
         self.make_room(tier, 0)
 
-    def make_room(self, tier: BlockTier, nbytes: int) -> None:
-        """Evict least recently used blocks of ``tier`` until ``nbytes`` more fit in its capacity.
+    def make_room(self, tier: BlockTier, nbytes: int, writer: bytes | None = None) -> None:
+        """Evict blocks of ``tier`` until ``nbytes`` more (of the namespace ``writer``, a seed) fit in
+        its capacity: least recently used, tenant by tenant where the tier has shares (``shares.py``).
 
         Called before a batch is written, so a tier never holds more than its capacity (a disk
         tier also refuses a write its capacity has no room for: a concurrent writer may have
         taken the room meanwhile, and that block is then dropped, not the bound exceeded)."""
-        self._evict_for(tier, nbytes)
+        self._evict_for(tier, nbytes, writer)
         if tier.used_bytes + nbytes > tier.capacity_bytes and self._await_count(tier):
-            self._evict_for(tier, nbytes)
+            self._evict_for(tier, nbytes, writer)
 
     def _await_count(self, tier: BlockTier) -> bool:
         """Wait (up to ``_COUNT_WAIT_S``) for the count of L2's folder if it is still running:
@@ -133,18 +139,20 @@ class Evictor:
             return False
         return recovery.wait(_COUNT_WAIT_S)
 
-    def _evict_for(self, tier: BlockTier, nbytes: int) -> None:
-        index = self.parts.index
+    def _evict_for(self, tier: BlockTier, nbytes: int, writer: bytes | None) -> None:
+        counters = self.parts.counters
         while tier.used_bytes + nbytes > tier.capacity_bytes:
-            victims = index.lru_victims(tier.bit, _EVICT_BATCH)
+            need = tier.used_bytes + nbytes - tier.capacity_bytes
+            victims = self.shares.victims(tier, _EVICT_BATCH, writer, need)
             dropped: list[EntryMeta] = []
-            for row in victims:
+            for row, cause in victims:
                 if tier.used_bytes + nbytes <= tier.capacity_bytes:
                     break
                 meta = self.drop_from(tier, row)
                 if meta is not None:
                     dropped.append(meta)
-            self.parts.counters.inc(f"{tier.name}_evicted", len(dropped))
+                    counters.inc(f"{tier.name}_evicted_{cause}")
+            counters.inc(f"{tier.name}_evicted", len(dropped))
             self.parts.counters.tier_changed(tier.name, dropped, False)
             if not dropped or tier.used_bytes + nbytes <= tier.capacity_bytes:
                 return  # room made, or nothing evictable (all pinned or claimed by others meanwhile)
@@ -204,5 +212,6 @@ class Evictor:
             for tier in tiers:
                 dropped = [m for row, b in zip(rows, bits) if b & tier.bit and (m := self.drop_from(tier, row))]
                 removed[tier.name] += len(dropped)
+                parts.counters.inc(f"{tier.name}_evicted_{EPOCH}", len(dropped))
                 parts.counters.tier_changed(tier.name, dropped, False)
         return removed

@@ -15,11 +15,13 @@ import logging
 from dataclasses import dataclass
 
 from kvstrata.format.auth import ENV as AUTH_ENV, SecretError, load_secret, open_auth
+from kvstrata.format.seal import Seal
 from kvstrata.config import ConfigError, StrataConfig, check_fits_one_block
 from kvstrata.epochs.base import EpochStore, MemoryEpochs
 from kvstrata.index import BlockIndex
 from kvstrata.keys import KeyScheme, key_scheme
 from kvstrata.metrics import Counters
+from kvstrata.tenants import TenantMap, tier_shares
 from kvstrata.tiers import REMOTE_BACKENDS, BlockTier, DiskTier, FileEpochs, MemoryTier
 from kvstrata.tiers.redis_client import redact_url
 from kvstrata.store.quarantine import Quarantine
@@ -44,6 +46,7 @@ class Parts:
     recovery: Recovery | None  # L2's blocks coming into the index (None: no L2)
     keys: KeyScheme  # how every key of this store is computed (``keys.hash``)
     quarantine: Quarantine  # namespaces served nothing here after a verified mismatch (``verify.py``)
+    tenants: TenantMap  # namespace seed -> tenant, for the tiers' shares (``shares.py``) and metrics
 
     @property
     def tiers(self) -> list[BlockTier]:
@@ -60,30 +63,36 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
         check_fits_one_block(config, l1_slot_bytes)
     keys = open_keys(config)
     counters = Counters()
+    tenants = TenantMap()
     index = BlockIndex(key_bits=config.testing.key_bits, lease_s=config.lease_seconds)
     l1 = MemoryTier(counters, config.l1.size, l1_slot_bytes, config.l1.pin_memory, l1_shared_path)
     backing: list[BlockTier] = []
     l2: DiskTier | None = None
     epochs: EpochStore = MemoryEpochs()
     auth = None
-    if config.remote.enabled or (config.l2.enabled and config.l2.authenticate):
+    l2_keyed = config.l2.enabled and (config.l2.authenticate or config.l2.encrypt)  # encrypt implies a MAC
+    if config.remote.enabled or l2_keyed:
         try:
             auth = open_auth(config.remote.auth_key_file)
         except SecretError as e:
             raise ConfigError(f"kvstrata config {config.source}: remote.auth_key_file: {e}") from None
-        if auth is None and config.l2.enabled and config.l2.authenticate:
-            raise ConfigError(f"kvstrata config {config.source}: l2.authenticate: true needs a secret: set "
+        needs = [k for k, on in (("l2.encrypt", l2_keyed and config.l2.encrypt), ("l2.authenticate", l2_keyed),
+                                 ("remote.encrypt", config.remote.enabled and config.remote.encrypt)) if on]
+        if auth is None and needs:
+            raise ConfigError(f"kvstrata config {config.source}: {needs[0]}: true needs a secret: set "
                               f"remote.auth_key_file (a file holding it) or ${AUTH_ENV}")
     if config.l2.enabled:
-        l2_auth = auth if config.l2.authenticate else None
+        l2_auth = auth if l2_keyed else None
         l2 = DiskTier(counters, config.l2.path, config.l2.size, config.l2.fsync,
-                      config.testing.l2_write_delay_ms / 1000, auth=l2_auth)
+                      config.testing.l2_write_delay_ms / 1000, auth=l2_auth,
+                      seal=Seal(auth) if auth is not None and config.l2.encrypt else None)
         backing.append(l2)
         epochs = FileEpochs(config.l2.path / "epochs", auth=l2_auth, counters=counters, counter_prefix="l2")
     remote: BlockTier | None = None
     if config.remote.enabled:  # the shared tier also holds the epochs every instance obeys
         floor = config.l2.path / "epochs" if config.l2.enabled else None  # the disk remembers
-        remote, epochs = REMOTE_BACKENDS[config.remote.backend](counters, config.remote, floor, auth)
+        remote, epochs = REMOTE_BACKENDS[config.remote.backend](
+            counters, config.remote, floor, auth, tier_shares(config.tenants.shares).get("remote"), tenants.tenant_of)
         backing.append(remote)
         where = redact_url(config.remote.url) if config.remote.backend == "redis" else str(
             config.remote.path)  # never a password in the log
@@ -94,11 +103,12 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
                         where, AUTH_ENV)
         elif where not in _said:
             _said.add(where)
-            log.info("kvstrata remote: the shared tier %s is authenticated (keyed BLAKE3 under key id %s)",
-                     where, auth.key_id)
+            log.info("kvstrata remote: the shared tier %s is authenticated (keyed BLAKE3 under key id %s)%s",
+                     where, auth.key_id, ", payloads encrypted (AES-256-GCM)" if config.remote.encrypt else "")
     saver = Saver(config.saves.queue_blocks, config.saves.threads)
     recovery = Recovery(index, l2) if l2 is not None else None
-    return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver, recovery, keys, Quarantine(counters))
+    return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver, recovery, keys, Quarantine(counters),
+                 tenants)
 
 
 def open_keys(config: StrataConfig) -> KeyScheme:

@@ -14,6 +14,7 @@ from kvstrata.epochs.descriptors import decode as decode_descriptor
 from kvstrata.keys import Namespace
 from kvstrata.store.parts import Parts
 from kvstrata.store.protocol import StoreFigures
+from kvstrata.store.shares import Shares
 from kvstrata.verify.record import Record, decode as decode_record
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ def resident(parts: Parts) -> dict[str, int]:
         out[f"{tier.name}_resident_blocks"] = int(np.count_nonzero(bits & tier.bit))
         out[f"{tier.name}_resident_bytes"] = int(tier.used_bytes)
     out["namespaces_not_joined"] = len(parts.epochs.not_joined())
+    for tier, tenants in Shares(parts).report().items():  # the tenant gauges (``{tier}_tenant_bytes@{tenant}``)
+        for tenant, figures in tenants.items():
+            for figure, value in figures.items():
+                out[f"{tier}_tenant_{figure}@{tenant}"] = value
     return out
 
 
@@ -88,8 +93,12 @@ def stats(parts: Parts) -> dict[str, object]:
         spaces.setdefault(seed[:8].hex(), {})[f"{epoch:016x}"] = {"blocks": blocks, "bytes": nbytes}
     seeds = sorted(set(census.seeds) | set(parts.epochs.known()))
     current = {s[:8].hex(): f"{parts.epochs.get(s):016x}" for s in seeds}
-    described = {s[:8].hex(): asdict(ns) for s, ns in descriptors(parts, seeds).items()}
+    found = descriptors(parts, seeds)
+    for ns in found.values():  # a process that serves none of them (``kvstrata stats``) learns their tenants
+        parts.tenants.learn(ns)
+    described = {s[:8].hex(): asdict(ns) for s, ns in found.items()}
     verified = {s[:8].hex(): r.as_dict() for s, r in verify_records(parts, seeds).items()}
     behind = sorted(s[:8].hex() for s in parts.epochs.not_joined())
     return {"tiers": tiers, "namespaces": spaces, "current_epochs": current, "not_joined": behind,
-            "descriptors": described, "verified": verified, "counters": parts.counters.snapshot()}
+            "descriptors": described, "verified": verified, "tenants": Shares(parts).report(),
+            "counters": parts.counters.snapshot()}

@@ -15,18 +15,21 @@ import dataclasses
 import logging
 
 from kvstrata.keys import Namespace
+from kvstrata.tenants import TenantMap
 
 log = logging.getLogger(__name__)
 
 
 class Scopes:
-    def __init__(self, scheme: str) -> None:
+    def __init__(self, scheme: str, tenants: TenantMap) -> None:
         self.scheme = scheme
+        self._tenants = tenants  # learns each namespace's tenant here, on the calls that name it
         self._own: dict[Namespace, Namespace] = {}  # a few entries: one per namespace a process serves
         self._seeds: dict[bytes, bytes] = {}  # the glue's seed -> the seed of its namespace here
 
     def own(self, ns: Namespace) -> Namespace:
         """``ns`` under this store's key scheme (``ns`` itself when it names that scheme)."""
+        self._tenants.learn(ns)
         if ns.key_scheme == self.scheme:
             return ns
         own = self._own.get(ns)
@@ -34,6 +37,7 @@ class Scopes:
             own = dataclasses.replace(ns, key_scheme=self.scheme)
             self._seeds[ns.seed] = own.seed
             self._own[ns] = own
+            self._tenants.learn(own)
             log.info("kvstrata: namespace %s (keys %s) is namespace %s under this store's keys (%s)",
                      ns.id, ns.key_scheme, own.id, self.scheme)
         return own

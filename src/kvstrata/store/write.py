@@ -213,7 +213,7 @@ class Writer:
         the metas written, with their checksums; the caller commits them."""
         assert self.parts.l2 is not None
         l2, metas, ok = self.parts.l2, list(metas), [False] * len(metas)
-        self.evictor.make_room(l2, sum(l2.stored_bytes(m.size) for m in metas))
+        self.evictor.make_room(l2, sum(l2.stored_bytes(m.size) for m in metas), metas[0].ns_seed if metas else None)
 
         def write(k: int) -> None:
             parts = parts_of(k)

@@ -81,6 +81,15 @@ class BlockTier(ABC):
         """Bytes of ``capacity_bytes`` a block of ``size`` payload bytes takes here."""
         return size
 
+    def tenant_usage(self) -> dict[str, tuple[int, int]] | None:
+        """(bytes, blocks) per tenant, for a tier that accounts its tenants itself across instances
+        (Redis with ``tenants.shares.remote``); None: this process's index is the account."""
+        return None
+
+    def footprint(self, payload_bytes: int, blocks: int) -> int:
+        """Bytes of ``capacity_bytes`` that ``blocks`` blocks of ``payload_bytes`` in all take here."""
+        return payload_bytes + blocks * self.stored_bytes(0)
+
     @abstractmethod
     def delete(self, key: bytes) -> None: ...
 

@@ -10,8 +10,8 @@ Layout under ``root`` (the names: ``folder``)::
                                         (one per block: two tails of one length under one parent
                                         are two markers, and evicting one leaves the other)
 
-The 256 shard folders are created once at start-up, so the write path never calls mkdir; 256
-shards keep folders at a few thousand files for a terabyte of 256 KiB blocks.
+256 shard folders, created at start-up (the write path never calls mkdir), keep folders at a few
+thousand files for a terabyte of 256 KiB blocks.
 
 Why one file per block and not a slab: publication is a single ``rename`` (atomic on POSIX, and
 the same on the shared filesystems of ``sharedfs``), several processes can share the folder with
@@ -19,9 +19,8 @@ no lock and no shared index, and a reader that already opened a file keeps its b
 unlinks it. The header carries everything the index needs, so another process's blocks are
 discovered by reading 128 bytes (``probe``), never the payload.
 
-Crash safety: a crash before the rename leaves only a temp file, which recovery deletes once its
-writer is gone (``temp_is_stale``); after the rename the block is complete. ``fsync: true`` adds
-durability across power loss at the cost of write bandwidth.
+Crash safety: a crash before the rename leaves only a temp file, deleted once its writer is gone
+(``temp_is_stale``); after it the block is complete. ``fsync: true`` survives power loss too.
 
 The folder is input kvstrata does not control, so nothing in it is trusted (the rules: ``folder``);
 the background recovery scan and ``kvstrata check`` are one function (``scan``). A shard folder
@@ -33,16 +32,15 @@ evicts before a batch) and is refused when they are not there; until the backgro
 counted the folder, the bytes it holds are an upper bound (``ledger``). A full filesystem (ENOSPC, EDQUOT)
 drops the blocks that do not fit, logged once per burst.
 
-``write_views``/``read_views`` take the payload as a list of runs (e.g. one page of SGLang's host
-pool, one run per layer and K/V) and move it with one ``pwritev``/``preadv`` and a streaming
-checksum, so a page goes between the engine's memory and the file with no intermediate copy;
-the file is byte-identical to one written from a contiguous payload.
+``write_views``/``read_views`` move a payload given as runs (one page of SGLang's host pool: a
+run per layer and K/V) with one ``pwritev``/``preadv`` and a streaming checksum, no intermediate
+copy; the file is byte-identical to one written from a contiguous payload.
 
 With ``auth`` (the shared folder with a secret; L2 with ``l2.authenticate``) a block's header
-carries its MAC (``auth``): a block that fails it is a miss, counted (``<tier>_auth_blocks`` and
-``<tier>_auth_failures``) and deleted, and its payload is not checksummed again. ``probe`` reads
-the header only, so a forged file can still be *found*; its load then fails (the engine
-recomputes those tokens), never serves it.
+carries its MAC; with ``seal`` too (``remote.encrypt``, ``l2.encrypt``) its payload is AES-256-GCM
+ciphertext, staged in a per-thread buffer (``format.seal``). A block that fails either is a miss,
+counted (``<tier>_auth_blocks``, ``<tier>_auth_failures``) and deleted. ``probe`` reads the header
+only, so a forged file can still be *found*; its load fails (the engine recomputes), never serves it.
 """
 
 from __future__ import annotations
@@ -59,16 +57,17 @@ import torch
 
 from kvstrata.format.auth import Auth
 from kvstrata.format.block import HEADER_SIZE, FormatError, pack_header, unpack_header, verify_block
+from kvstrata.format.seal import Seal
 from kvstrata.index import EntryMeta
 from kvstrata.metrics import Counters
 from kvstrata.tiers.base import BlockTier, pid_alive
-from kvstrata.tiers.folder import (FULL_ERRNOS, OPEN_DIR, FullDisk, block_name, make_folder, marker_name, marker_ntok, open_regular, prepare_shards,
-                     temp_name, warn_if_open, write_all)
+from kvstrata.tiers.folder import (FULL_ERRNOS, IOV_MAX, OPEN_DIR, FullDisk, block_name, check_runs, make_folder, marker_name, marker_ntok,
+                                   open_regular, prepare_shards, temp_name, warn_if_open, write_all)
 from kvstrata.tiers.ledger import Ledger, usage_bound, write_summary
 from kvstrata.tiers.scan import BLOCK, DAMAGED, OTHER_VERSION, SKIPPED, TEMP, Tally, scan_folder
 
 log = logging.getLogger(__name__)
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv/pwritev
+__all__ = ["IOV_MAX", "TEMP_MAX_AGE_S", "DiskTier"]  # IOV_MAX: the bound on runs (``folder``), for callers
 TEMP_MAX_AGE_S = 3600.0  # a temp file this old is a leftover whoever wrote it: no write lasts an hour
 
 
@@ -81,9 +80,11 @@ class DiskTier(BlockTier):
     open_mode_bits = 0o022  # an existing root writable by these bits gets a warning (others can plant blocks)
 
     def __init__(self, counters: Counters, root: Path, capacity: int, fsync: bool = False,
-                 delay_s: float = 0.0, auth: Auth | None = None) -> None:
+                 delay_s: float = 0.0, auth: Auth | None = None, seal: Seal | None = None) -> None:
         super().__init__(counters)
+        assert seal is None or auth is not None, "a sealed tier is an authenticated one"
         self.auth = auth
+        self.seal = seal
         self._domain = self.name.encode()  # a block's MAC is bound to its tier
         self._delay_s = delay_s  # test-only slow disk (testing.l2_write_delay_ms)
         self.root = Path(root)
@@ -142,7 +143,7 @@ class DiskTier(BlockTier):
         when ``l2.size`` has no room for it."""
         if not meta.checksum:
             raise ValueError("disk writes need the payload checksum in meta")
-        _check_runs(parts, "pwritev")
+        check_runs(parts, "pwritev")
         h = meta.key.hex()
         final = self._file(meta.key)
         cost = HEADER_SIZE + meta.size
@@ -158,8 +159,7 @@ class DiskTier(BlockTier):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self._file_mode)
             try:
-                header = pack_header(meta) if self.auth is None else self.auth.seal_header(self._domain, meta, parts)
-                write_all(fd, [header, *parts], cost)
+                write_all(fd, self._stored(meta, parts), cost)
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -224,26 +224,27 @@ class DiskTier(BlockTier):
     def read_views(self, meta: EntryMeta, parts: Sequence[memoryview]) -> bool:
         """``read`` into consecutive runs (writable, ``meta.size`` bytes in all): one ``preadv``
         and a streaming checksum over the runs. On failure the runs hold garbage: never use them."""
-        _check_runs(parts, "preadv")
+        check_runs(parts, "preadv")
         path = self._file(meta.key)
         header = bytearray(HEADER_SIZE)
+        into = parts if self.seal is None else [self.seal.scratch(meta.size)]  # the ciphertext, then parts
         opened = self._open_block(meta.key)
         if opened is None:
             self.counters.inc(f"{self.name}_missing")
             return False
         fd = opened[0]
         try:
-            got = os.preadv(fd, [header, *parts], 0)
+            got = os.preadv(fd, [header, *into], 0)
         except OSError as e:
             log.warning("kvstrata %s: read of %s failed: %s", self.label, path, e)
             self.counters.inc(f"{self.name}_read_errors")
             return False
         finally:
             os.close(fd)
-        if self.auth is None:
-            bad = verify_block(meta, header, got - HEADER_SIZE, parts, path)
-        else:
-            bad = self.auth.verify_block(self._domain, meta, header, got - HEADER_SIZE, parts, path)
+        size = got - HEADER_SIZE  # sealed: decrypted from ``into`` to ``parts`` by the check
+        bad = (self.seal.open(self._domain, meta, header, size, into[0], parts, path) if self.seal is not None
+               else verify_block(meta, header, size, parts, path) if self.auth is None
+               else self.auth.verify_block(self._domain, meta, header, size, parts, path))
         if bad is None:
             self.counters.inc(f"{self.name}_bytes_read", meta.size)
             return True
@@ -256,6 +257,13 @@ class DiskTier(BlockTier):
         if bad.corrupt:  # another format version's block is not ours to delete
             self.delete(meta.key)
         return False
+
+    def _stored(self, meta: EntryMeta, parts: Sequence[memoryview]) -> list[bytes | memoryview]:
+        """A block file's contents: its header (sealed, MAC'd or plain), then the payload runs
+        (sealed: their ciphertext, in the per-thread staging buffer)."""
+        if self.seal is not None:
+            return [self.seal.seal(self._domain, meta, parts, out := self.seal.scratch(meta.size)), out]
+        return [pack_header(meta) if self.auth is None else self.auth.seal_header(self._domain, meta, parts), *parts]
 
     def probe(self, key: bytes) -> EntryMeta | None:
         path = self._file(key)
@@ -390,7 +398,3 @@ class DiskTier(BlockTier):
     def capacity_bytes(self) -> int:
         return self._capacity
 
-
-def _check_runs(parts: Sequence[memoryview], call: str) -> None:
-    if len(parts) >= IOV_MAX:  # the header takes one buffer of the call too
-        raise ValueError(f"{len(parts)} runs: one {call} takes at most {IOV_MAX - 1} besides the header")

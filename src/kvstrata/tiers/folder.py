@@ -13,7 +13,8 @@ here only::
     tails/ab/<parent hex>/<ntok>.<key hex>  a partial block's marker (``marker_name``, ``parse_marker``)
 
 Also the folder's creation (``make_folder``, ``prepare_shards``, ``warn_if_open``), a write that
-reports the real error of a full disk (``write_all``) and the log of one (``FullDisk``).
+reports the real error of a full disk (``write_all``) and the log of one (``FullDisk``), and the
+bound on runs per vectored call (``check_runs``).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ import re
 import stat
 import threading
 from pathlib import Path
+from typing import Sequence
 
 from kvstrata.metrics import Counters
 
 log = logging.getLogger(__name__)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers per preadv/pwritev
 
 SUFFIX = ".kvb"
 SHARDS = tuple(f"{i:02x}" for i in range(256))
@@ -226,3 +229,9 @@ class FullDisk:
         if blocks:
             log.warning("kvstrata %s: space is back in %s: saving again (%d blocks, %d bytes were dropped "
                         "while it was full)", self._label, self._folder, blocks, size)
+
+
+def check_runs(parts: Sequence[memoryview], call: str) -> None:
+    """Refuse more payload runs than one ``preadv``/``pwritev`` (``call``) takes with the header."""
+    if len(parts) >= IOV_MAX:  # the header takes one buffer of the call too
+        raise ValueError(f"{len(parts)} runs: one {call} takes at most {IOV_MAX - 1} besides the header")

@@ -181,6 +181,9 @@ class MemoryTier(BlockTier):
     def used_bytes(self) -> int:
         return len(self._slots) * self.slot_bytes
 
+    def footprint(self, payload_bytes: int, blocks: int) -> int:
+        return blocks * self.slot_bytes  # a block takes a whole slot
+
     @property
     def capacity_bytes(self) -> int:
         return self._capacity

@@ -1,5 +1,6 @@
 """tiers/redis.py: L3 on Redis or Valkey (standalone or Cluster), ``RedisTier``: blocks shared by
-every instance. Its epochs are ``epochs/redis.py``; the client and value reporting ``redis_client``.
+every instance. Its epochs are ``epochs/redis.py``; the client and value reporting ``redis_client``;
+with ``tenants.shares.remote``, the tenants' account of the key space ``redis_shares`` (``self.shares``).
 
 Keys (``P`` is ``remote.key_prefix``; ``{hex}`` is a Cluster hash tag, so a block's keys share a
 slot and a node):
@@ -13,7 +14,10 @@ With a secret (``remote.auth_key_file``, see ``auth``), ``P`` is ``<key_prefix>:
 secret's own key space), a block value's header carries its MAC tag, and an index entry is the
 header followed by a 16-byte tag of its own. A value that fails its MAC is a miss, counted
 (``remote_auth_blocks``, ``remote_auth_entries``; both also in ``remote_auth_failures``) and
-deleted: nobody holding the secret wrote it, and the key space is the secret's.
+deleted: nobody holding the secret wrote it, and the key space is the secret's. With
+``remote.encrypt`` a block value's payload is AES-256-GCM ciphertext instead, its header carrying
+the AEAD's nonce and tag (``format.seal``): a value that fails, or is not sealed, counts the same
+(``remote_auth_blocks``); index entries stay MAC'd, not encrypted.
 
 Publication writes the payload, then the index entry, in that order on one connection to the
 slot's node (a hash tag puts both in one slot), so Redis applies them in order: the index entry's
@@ -53,12 +57,13 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from kvstrata.format.auth import Auth
+from kvstrata.format.seal import Seal
 from kvstrata.format.block import HEADER_SIZE, TAG_SIZE, FormatError, pack_header, unpack_header, verify_block
 from kvstrata.config import RemoteConfig
 from kvstrata.index import EntryMeta
@@ -66,13 +71,15 @@ from kvstrata.metrics import Counters
 from kvstrata.tiers.base import BlockTier
 from kvstrata.tiers.breaker import Breaker
 from kvstrata.tiers.redis_client import Rejections, connect, is_wrong_type, protocol_error, service_errors, shown
+from kvstrata.tiers.redis_shares import RedisShares
+from kvstrata.tenants import TierShares
 
 _MAX_TAILS = 1024  # tail lengths read per parent: a set bloated by someone costs one bounded reply
 _MAX_TAIL_TOKENS = 1 << 24  # format/block.py's bound on a block's token count
 _COUNTERS = {"bad_header": "remote_bad_headers", "wrong_key": "remote_wrong_key",  # format.block.Mismatch kinds
              "wrong_size": "remote_wrong_size", "checksum": "checksum_failures", "auth": "remote_auth_blocks"}
 _DOMAIN = b"redis"  # the tier a block's MAC is bound to (a valid disk block copied here fails)
-_PARALLEL_BYTES = 1 << 20  # a load at least this large checks its MACs on the pool's threads
+_PARALLEL_BYTES = 1 << 20  # a load at least this large checks its MACs (or decrypts) on the pool's threads
 _POOL_LOCK = threading.Lock()
 _POOL: list[ThreadPoolExecutor] = []
 
@@ -88,15 +95,22 @@ class RedisTier(BlockTier):
     name = "remote"
     bit = 4
 
-    def __init__(self, counters: Counters, cfg: RemoteConfig, client: Any = None, auth: Auth | None = None) -> None:
+    def __init__(self, counters: Counters, cfg: RemoteConfig, client: Any = None, auth: Auth | None = None,
+                 seal: Seal | None = None, shares: TierShares | None = None,
+                 tenant_of: Callable[[bytes], str] | None = None) -> None:
         super().__init__(counters)
+        assert seal is None or auth is not None, "a sealed tier lives in its secret's key space"
         self._cfg = cfg
         self.auth = auth
+        self.seal = seal
         self.prefix = cfg.key_prefix if auth is None else f"{cfg.key_prefix}:{auth.key_id}"
         self.client = client if client is not None else connect(cfg)
         self.breaker = Breaker(cfg.breaker, self.name, counters, service_errors())
         self.reject = Rejections(counters)
         self._local = threading.local()
+        # with ``tenants.shares.remote``: kvstrata keeps the key space within ``remote.size`` itself
+        self.shares = None if shares is None or tenant_of is None else RedisShares(self, cfg.cluster, shares, cfg.size,
+                                                                                   tenant_of)
 
     def _k(self, key: bytes, kind: str) -> str:
         return f"{self.prefix}:{{{key.hex()}}}:{kind}"
@@ -203,30 +217,37 @@ class RedisTier(BlockTier):
                     self.delete(meta.key)
                 return i
             assert isinstance(value, bytes)  # _check said so
-            out.numpy()[:] = np.frombuffer(value, np.uint8, meta.size, HEADER_SIZE)
+            if self.seal is None:  # a sealed value was decrypted into ``out`` by its check
+                out.numpy()[:] = np.frombuffer(value, np.uint8, meta.size, HEADER_SIZE)
             self.counters.inc("remote_bytes_read", meta.size)
+        if self.shares is not None:
+            self.shares.touch(metas)  # their LRU scores, off this (the engine's) thread
         return len(metas)
 
     def _check_all(self, metas: list[EntryMeta], raw: list[object],
                    outs: list[torch.Tensor]) -> list[tuple[str, str, bool] | None] | None:
         """With a secret, the checks of a batch of at least ``_PARALLEL_BYTES`` on ``_POOL``'s
-        threads (BLAKE3 releases the GIL: the MACs of a hit run on every core the pool has); None
-        when the batch is checked inline, one value at a time."""
+        threads (BLAKE3 and OpenSSL's AES-GCM release the GIL: the MACs or decryptions of a hit
+        run on every core the pool has); None when the batch is checked inline, one at a time."""
         if self.auth is None or len(metas) < 2 or sum(m.size for m in metas) < _PARALLEL_BYTES:
             return None
         return list(_pool().map(lambda a: None if a[1] is None else self._check(*a), zip(metas, raw, outs)))
 
     def _check(self, meta: EntryMeta, value: object, out: torch.Tensor) -> tuple[str, str, bool] | None:
         """Why ``value`` (read under ``meta.key``) cannot fill ``out``: (counter, why, whether the
-        value is damaged and should go), or None when it is the block, intact."""
+        value is damaged and should go), or None when it is the block, intact. A sealed tier
+        decrypts into ``out`` here (garbage when the check fails)."""
         if not isinstance(value, bytes):
             return "remote_wrong_type", f"the value is a {type(value).__name__}", True
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != meta.size:
             return ("remote_wrong_size", f"its header says {meta.size} bytes, the destination holds "
                     f"{out.numel() * out.element_size()}", True)
-        verify = verify_block if self.auth is None else partial(self.auth.verify_block, _DOMAIN)
-        bad = verify(meta, value[:HEADER_SIZE], len(value) - HEADER_SIZE, [memoryview(value)[HEADER_SIZE:]],
-                     f"redis block {meta.key.hex()}")
+        where, body = f"redis block {meta.key.hex()}", memoryview(value)[HEADER_SIZE:]
+        if self.seal is not None:
+            bad = self.seal.open(_DOMAIN, meta, value[:HEADER_SIZE], len(body), body, [memoryview(out.numpy())], where)
+        else:
+            verify = verify_block if self.auth is None else partial(self.auth.verify_block, _DOMAIN)
+            bad = verify(meta, value[:HEADER_SIZE], len(body), [body], where)
         return None if bad is None else (_COUNTERS[bad.kind], bad.why, bad.corrupt)
 
     def _missing(self, meta: EntryMeta) -> None:
@@ -257,12 +278,12 @@ class RedisTier(BlockTier):
             tails: list[tuple[int, EntryMeta]] = []  # (reply index of the SADD, block)
             n = 0
             spans = []
-            for meta, payload in zip(metas, payloads):
+            for meta in metas:
                 end = off + HEADER_SIZE + meta.size
-                view[off + HEADER_SIZE : end] = memoryview(payload[: meta.size].numpy())
                 spans.append((off, end))
                 off = end
-            headers = self._headers(metas, [view[a + HEADER_SIZE : b] for a, b in spans])
+            headers = self._headers(metas, [memoryview(p[: m.size].numpy()) for m, p in zip(metas, payloads)],
+                                    [view[a + HEADER_SIZE : b] for a, b in spans])
             for meta, (off, end), (header, entry) in zip(metas, spans, headers):
                 view[off : off + HEADER_SIZE] = header
                 pipe.set(self._k(meta.key, "p"), view[off:end])  # sent from the buffer, no copy
@@ -279,22 +300,31 @@ class RedisTier(BlockTier):
                 raise failed
             return [True] * len(metas)
 
+        if self.shares is not None:
+            self.shares.make_room(metas)
         done = self.breaker.call(publish, [False] * len(metas))
+        if self.shares is not None and done and done[0]:
+            self.shares.account(metas)
         if done and done[0]:
             self.counters.inc("remote_bytes_written", sum(m.size for m in metas))
         return done
 
-    def _headers(self, metas: list[EntryMeta], bodies: list[memoryview]) -> list[tuple[bytes, bytes]]:
-        """(value header, index entry) of each block. With a secret, the MACs of what is sent (the
+    def _headers(self, metas: list[EntryMeta], payloads: list[memoryview],
+                 bodies: list[memoryview]) -> list[tuple[bytes, bytes]]:
+        """Fill each value's ``body`` (in the staging buffer) from its payload and return the
+        (value header, index entry) of each block. With a secret, the MACs of what is sent (the
         staged copies): one pass over each payload, inline (saves run on background threads; on
-        the pool they were slower here, 2 busy cores: 178-340 ms for 32 MiB against 129-133)."""
-        auth = self.auth
-        if auth is None:
-            return [(h, h) for h in map(pack_header, metas)]
+        the pool they were slower here, 2 busy cores: 178-340 ms for 32 MiB against 129-133).
+        Sealed, the cipher writes the body straight from the payload (no copy besides its pass)."""
+        auth, seal = self.auth, self.seal
         out = []
-        for meta, body in zip(metas, bodies):
-            header = auth.seal_header(_DOMAIN, meta, [body])
-            out.append((header, header + auth.tag(b"entry:redis", meta.key, header)))
+        for meta, payload, body in zip(metas, payloads, bodies):
+            if seal is not None:
+                header = seal.seal(_DOMAIN, meta, [payload], body)
+            else:
+                body[:] = payload
+                header = pack_header(meta) if auth is None else auth.seal_header(_DOMAIN, meta, [body])
+            out.append((header, header if auth is None else header + auth.tag(b"entry:redis", meta.key, header)))
         return out
 
     def _repair_tail_sets(self, tails: list[tuple[int, EntryMeta]], replies: list[object]) -> None:
@@ -327,13 +357,18 @@ class RedisTier(BlockTier):
 
     @property
     def used_bytes(self) -> int:
-        return 0  # Redis enforces its own maxmemory (allkeys-lru); the store never evicts here
+        return 0  # the store never evicts here: Redis' maxmemory does, or ``self.shares`` on each write
 
     @property
     def capacity_bytes(self) -> int:
-        return 1 << 62
+        return self._cfg.size if self.shares is not None else 1 << 62
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]] | None:
+        return None if self.shares is None else self.shares.cached()
 
     def close(self) -> None:
+        if self.shares is not None:
+            self.shares.close()
         try:
             self.client.close()
         except Exception:  # closing a dead connection is not an error worth reporting

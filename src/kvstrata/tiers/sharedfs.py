@@ -15,7 +15,9 @@ instances running as different users of one group can share it.
 
 With a secret (``auth``) the tier lives in ``<remote.path>/auth-<key id>`` (the secret's own
 space: deployments with different secrets never read, count or delete each other's files), and
-every block and epoch file carries a MAC (see ``disk`` and ``epochs/folder.py``).
+every block and epoch file carries a MAC (see ``disk`` and ``epochs/folder.py``). With
+``remote.encrypt`` (``seal``) every block file's payload is AES-256-GCM ciphertext as well: the
+folder's files reveal no payload byte to a host without the secret (``format.seal``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 import torch
 
 from kvstrata.format.auth import Auth
+from kvstrata.format.seal import Seal
 from kvstrata.format.block import HEADER_SIZE
 from kvstrata.config import RemoteConfig
 from kvstrata.index import EntryMeta
@@ -42,7 +45,8 @@ class SharedFsTier(DiskTier):
     bounded = False  # other instances write here too: only the folder-wide sweep enforces the bound
     open_mode_bits = 0o002  # group-writable is how a shared folder is shared; world-writable gets a warning
 
-    def __init__(self, counters: Counters, cfg: RemoteConfig, auth: Auth | None = None) -> None:
+    def __init__(self, counters: Counters, cfg: RemoteConfig, auth: Auth | None = None,
+                 seal: Seal | None = None) -> None:
         if cfg.path is None:
             raise ValueError("remote.backend fs needs remote.path (the shared folder)")
         root = cfg.path
@@ -50,7 +54,7 @@ class SharedFsTier(DiskTier):
             make_folder(root, 0o700)
             root = root / f"auth-{auth.key_id}"
             make_folder(root, 0o700 | (stat.S_IMODE(os.stat(cfg.path).st_mode) & 0o070))
-        super().__init__(counters, root, cfg.size, auth=auth)
+        super().__init__(counters, root, cfg.size, auth=auth, seal=seal)
 
     def modes(self) -> tuple[int, int]:
         """The root's group bits carried to the folders (rwx) and files (r) created here."""
