@@ -19,6 +19,7 @@ share loses blocks only after every tenant over its share has none left to give 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Mapping
 
 from kvstrata.config.schema import DEFAULT_TENANT, OTHER_TENANTS
@@ -87,3 +88,26 @@ class TierShares:
 def tier_shares(shares: Mapping[str, Mapping[str, float | int]]) -> dict[str, TierShares]:
     """``tenants.shares`` as the policy of each tier that has shares."""
     return {tier: TierShares(tier, s) for tier, s in shares.items() if s}
+
+
+def fair_order(policy: TierShares, usage: dict[str, int], capacity: int,
+               candidates: list[tuple[str, int, object]]) -> list[tuple[object, str]]:
+    """The order in which a full listing of a tier (the shared folder's sweep) gives up blocks:
+    ``candidates`` are (tenant, bytes, block), oldest first, that may go; ``usage`` is what each
+    tenant holds in all (lowered here as blocks are picked). Each step asks ``eviction_order``
+    which tenant gives next; once nobody is over its share, the oldest of all. Returns (block,
+    cause) until the tier would fit ``capacity`` or nothing is left."""
+    queues: dict[str, deque[tuple[int, int, object]]] = {}
+    for age, (tenant, nbytes, block) in enumerate(candidates):
+        queues.setdefault(tenant, deque()).append((age, nbytes, block))
+    total, out = sum(usage.values()), []
+    while total > capacity and any(queues.values()):
+        giver = next(((t, cause) for t, cause, _over in policy.eviction_order(usage, capacity) if queues.get(t)),
+                     None)
+        if giver is None:  # nobody over its share has any to give: the oldest of all
+            giver = (min((q[0][0], t) for t, q in queues.items() if q)[1], LRU)
+        _age, nbytes, block = queues[giver[0]].popleft()
+        usage[giver[0]] -= nbytes
+        total -= nbytes
+        out.append((block, giver[1]))
+    return out

@@ -126,7 +126,7 @@ class RemoteConfig(_Model):
     """``fs`` backend: the shared folder (NFS, CephFS, JuiceFS, Lustre, ...)."""
     size: Size = 2**40
     """The shared tier's capacity. ``fs`` backend: ``kvstrata gc`` deletes least recently read blocks
-    beyond it. ``redis`` backend: used only with ``tenants.shares.remote`` (which needs it set
+    beyond it (tenant by tenant with ``tenants.shares.remote``). ``redis`` backend: used only with ``tenants.shares.remote`` (which needs it set
     explicitly): writers then keep the key space within it, tenant by tenant (docs/tenants.md), and
     Redis' ``maxmemory`` must be above it (plus about 200 bytes of Redis overhead per block).
     Without shares Redis' own ``maxmemory`` bounds the tier."""
@@ -300,7 +300,8 @@ class TenantsConfig(_Model):
     use free room beyond its share; once the tier is full, a tenant over its share evicts its own
     blocks first, and a tenant within its share loses blocks only after every tenant over its
     share has none left to give. A tier with no shares is one LRU for all. ``remote`` on Redis
-    needs ``remote.size``: kvstrata then keeps the key space under it itself."""
+    needs ``remote.size``: kvstrata then keeps the key space under it itself; on the shared
+    folder ``kvstrata gc``'s sweep applies them."""
 
     @field_validator("shares")
     @classmethod
@@ -334,14 +335,11 @@ class StrataConfig(_Model):
 
     @model_validator(mode="after")
     def _remote_shares(self) -> "StrataConfig":
-        """Shares of the shared tier need its capacity: Redis has none of kvstrata's otherwise (its
-        own ``maxmemory`` evicts), and the shared folder's gc is one LRU over the folder."""
+        """Shares of a Redis shared tier need its capacity: Redis has none of kvstrata's otherwise
+        (its own ``maxmemory`` evicts). The shared folder's ``remote.size`` is always kvstrata's."""
         remote = self.remote
-        if not self.tenants.shares.get("remote") or not remote.enabled:
+        if not self.tenants.shares.get("remote") or not remote.enabled or remote.backend == "fs":
             return self
-        if remote.backend == "fs":
-            raise ValueError("tenants.shares.remote: the shared folder (remote.backend: fs) keeps no account per "
-                             "tenant; shares of the shared tier need remote.backend: redis")
         if "size" not in remote.model_fields_set:
             raise ValueError("tenants.shares.remote on Redis needs remote.size set: the bytes of the key space "
                              "kvstrata keeps, tenant by tenant (below Redis' maxmemory, which must not evict)")

@@ -22,6 +22,7 @@ from kvstrata.index import EntryMeta
 from kvstrata.index.blockindex import RETIRED
 from kvstrata.tenants import EPOCH
 from kvstrata.tiers import BlockTier, DiskTier
+from kvstrata.store import report
 from kvstrata.store.parts import Parts
 from kvstrata.store.shares import Shares
 from kvstrata.store.protocol import Reservation
@@ -177,6 +178,9 @@ class Evictor:
         waits for that count, which does the disk tier's part of the work)."""
         parts = self.parts
         removed = self._drop_stale(only, parts.tiers)
+        if parts.config.tenants.shares:  # the shared folder's sweep needs every namespace's tenant
+            for ns in report.descriptors(parts, self.namespaces()).values():
+                parts.tenants.learn(ns)
         for tier in parts.backing:
             self.enforce_capacity(tier)
             swept = tier.sweep(parts.config.lease_seconds)

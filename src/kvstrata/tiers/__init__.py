@@ -47,7 +47,7 @@ def _redis(counters: Counters, cfg: RemoteConfig, floor: Path | None, auth: Auth
 def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None, auth: Auth | None = None,
         shares: TierShares | None = None, tenant_of: Callable[[bytes], str] | None = None,
         ) -> tuple[BlockTier, EpochStore]:
-    tier = SharedFsTier(counters, cfg, auth, _seal(cfg, auth))
+    tier = SharedFsTier(counters, cfg, auth, _seal(cfg, auth), shares, tenant_of)
     # The group shares the epochs too; every host reads them, so they are confirmed like Redis's.
     bound = None if cfg.allow_stale_epoch else cfg.staleness_bound_s
     return tier, FileEpochs(tier.root / "epochs", tier.modes(), shared=True,

@@ -5,7 +5,8 @@ It is the L2 code on another path: one file per block published by rename (atomi
 filesystems, no locks needed, which NFS lacks), headers probed for discovery, and the namespace
 epochs in one small file each, replaced atomically and checked with one ``stat()`` per lookup.
 A read touches the file's mtime: that is the block's lease, and ``kvstrata gc`` (LRU beyond
-``remote.size``) never deletes a block read within ``lease_seconds``.
+``remote.size``; tenant by tenant with ``tenants.shares.remote``) never deletes a block read within
+``lease_seconds``.
 
 Every host writes here, so the folder is treated like L2's, only more so: no symlink is followed,
 nothing but kvstrata's own regular files is deleted, and a temp file is a leftover only once it is
@@ -26,6 +27,8 @@ import os
 import stat
 import time
 
+from typing import Callable
+
 import torch
 
 from kvstrata.format.auth import Auth
@@ -36,6 +39,7 @@ from kvstrata.index import EntryMeta
 from kvstrata.metrics import Counters
 from kvstrata.tiers.disk import TEMP_MAX_AGE_S, DiskTier
 from kvstrata.tiers.folder import make_folder
+from kvstrata.tenants import LRU, TierShares, fair_order
 
 
 class SharedFsTier(DiskTier):
@@ -46,7 +50,9 @@ class SharedFsTier(DiskTier):
     open_mode_bits = 0o002  # group-writable is how a shared folder is shared; world-writable gets a warning
 
     def __init__(self, counters: Counters, cfg: RemoteConfig, auth: Auth | None = None,
-                 seal: Seal | None = None) -> None:
+                 seal: Seal | None = None, shares: TierShares | None = None,
+                 tenant_of: Callable[[bytes], str] | None = None) -> None:
+        self.shares, self.tenant_of = shares, tenant_of  # ``tenants.shares.remote``: the sweep's order
         if cfg.path is None:
             raise ValueError("remote.backend fs needs remote.path (the shared folder)")
         root = cfg.path
@@ -81,21 +87,29 @@ class SharedFsTier(DiskTier):
 
     def sweep(self, lease_s: float) -> int:
         """Delete least recently read blocks beyond ``remote.size``, never one read or written
-        within ``lease_s`` (its lease). Returns how many were deleted."""
-        files = []
-        for meta, _path, mtime in self.scan_files():
-            files.append((mtime, meta))
+        within ``lease_s`` (its lease), tenant by tenant where the tier has shares (the headers
+        name each block's namespace: ``fair_order``). Returns how many were deleted."""
+        files = [(mtime, meta) for meta, _path, mtime in self.scan_files()]
         total = sum(HEADER_SIZE + m.size for _, m in files)
-        removed = 0
         fresh = time.time() - lease_s
-        for mtime, meta in sorted(files, key=lambda f: f[0]):
+        old = sorted(((mtime, m) for mtime, m in files if mtime < fresh), key=lambda f: f[0])
+        if self.shares is None or self.tenant_of is None:
+            order = [(m, LRU) for _, m in old]
+        else:
+            usage: dict[str, int] = {}
+            for _, m in files:
+                t = self.tenant_of(m.ns_seed)
+                usage[t] = usage.get(t, 0) + HEADER_SIZE + m.size
+            order = fair_order(self.shares, usage, self.capacity_bytes,
+                               [(self.tenant_of(m.ns_seed), HEADER_SIZE + m.size, m) for _, m in old])
+        removed = 0
+        for meta, cause in order:
             if total <= self.capacity_bytes:
                 break
-            if mtime >= fresh:
-                continue
             self.delete(meta.key)
             if meta.tail:
                 self.delete_tail_marker(meta.parent, meta.ntok, meta.key)
             total -= HEADER_SIZE + meta.size
             removed += 1
+            self.counters.inc(f"remote_evicted_{cause}")
         return removed
