@@ -5,7 +5,7 @@ set (20 one-block prompts, under half the tier) is asked for after every round; 
 tier with unique prompts, one tier's worth per round, four rounds (4x the tier). With a 50/50
 share B keeps at least 95% of its hits (it keeps all of them); with no shares the same traffic
 costs B almost every hit (LRU: A's newest blocks push B's out). L1 is a few blocks, so every hit
-of B is a hit on L2.
+of B is a hit on L2; the same with L1 as the tier (no L2).
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ B_SET = 20
 ROUNDS = 4
 
 
-def _run(tmp_path, shares: dict | None) -> tuple[float, BlockStore]:
-    cfg = {"l1.size": 4 * BLOCK_BYTES, "l2.size": TIER_BLOCKS * FILE}
+TIERS = {"l2": {"l1.size": 4 * BLOCK_BYTES, "l2.size": TIER_BLOCKS * FILE},
+         "l1": {"l1.size": TIER_BLOCKS * BLOCK_BYTES, "l2.enabled": False}}
+
+
+def _run(tmp_path, shares: dict | None, tier: str = "l2") -> tuple[float, BlockStore]:
+    cfg = dict(TIERS[tier])
     if shares is not None:
-        cfg["tenants.shares"] = {"l2": shares}
+        cfg["tenants.shares"] = {tier: shares}
     store = BlockStore(make_config(tmp_path, cfg))
     a, b = make_namespace(tenant="a"), make_namespace(tenant="b")
     working = [random_tokens(f"b{i}", BLOCK_SIZE) for i in range(B_SET)]
@@ -43,25 +47,27 @@ def _run(tmp_path, shares: dict | None) -> tuple[float, BlockStore]:
             hits += found
             if not found:  # a miss is recomputed and saved again, as an engine does
                 store_prompt(store, b, p)
-        assert store.l2.used_bytes <= TIER_BLOCKS * FILE
+        held = store.l2 if tier == "l2" else store.l1
+        assert held.used_bytes <= held.capacity_bytes
     return hits / asked, store
 
 
-def test_a_flood_of_4x_the_tier_leaves_b_its_hits_within_its_share(tmp_path):
-    rate, store = _run(tmp_path / "shared", {"a": 0.5, "b": 0.5})
+@pytest.mark.parametrize("tier", ["l2", "l1"])
+def test_a_flood_of_4x_the_tier_leaves_b_its_hits_within_its_share(tmp_path, tier):
+    rate, store = _run(tmp_path / "shared", {"a": 0.5, "b": 0.5}, tier)
     with store:
         assert rate >= 0.95, f"B kept {rate:.3f} of its hits within its share"
         counters = store.counters
-        assert counters.get("l2_evicted_own_share") > 0  # A, over its share, evicted its own
-        assert counters.get("l2_evicted_lru") == 0
-        usage = store.stats()["tenants"]["l2"]
+        assert counters.get(f"{tier}_evicted_own_share") > 0  # A, over its share, evicted its own
+        assert counters.get(f"{tier}_evicted_lru") == 0
+        usage = store.stats()["tenants"][tier]
         assert usage["b"]["blocks"] == B_SET
-        assert usage["a"]["bytes"] + usage["b"]["bytes"] <= TIER_BLOCKS * FILE
-    rate_lru, store = _run(tmp_path / "lru", None)
+        assert usage["a"]["bytes"] + usage["b"]["bytes"] <= store.stats()["tiers"][tier]["capacity_bytes"]
+    rate_lru, store = _run(tmp_path / "lru", None, tier)
     with store:
         assert rate_lru < 0.5, f"without shares B kept {rate_lru:.3f} of its hits: the flood shows no loss"
-        assert store.counters.get("l2_evicted_lru") > 0
-    print(f"B's hit rate: with 50/50 shares {rate:.3f}, without shares {rate_lru:.3f}")
+        assert store.counters.get(f"{tier}_evicted_lru") > 0
+    print(f"{tier}: B's hit rate: with 50/50 shares {rate:.3f}, without shares {rate_lru:.3f}")
 
 
 def test_a_tenant_may_use_free_room_beyond_its_share(tmp_path):
