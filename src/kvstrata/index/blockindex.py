@@ -29,7 +29,7 @@ Thread safety: every public method takes the index lock; callers hold no lock of
 from __future__ import annotations
 
 import threading
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -310,14 +310,25 @@ class BlockIndex(Table):
                      for g, c, b in zip(groups.tolist(), counts.tolist(), nbytes.tolist())}
         return Census(per_epoch, per_tier, sorted({seed for seed, _ in per_epoch}))
 
-    def usage(self, tier_bit: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-        """(namespace seeds, bytes, blocks) a tier holds per namespace, one vectorized pass."""
+    def namespace_seeds(self) -> list[bytes]:
+        """The namespaces the index has had entries of (a few: not only those it holds now)."""
         with self._lock:
-            held = np.flatnonzero((self._tiers & tier_bit).astype(bool))
-            ns, size = self._ns[held], self._size[held].astype(np.float64)
+            return list(self._ns_seeds)
+
+    def usage(self, tier_bits: Sequence[int]) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """(namespace seeds, bytes, blocks) each tier of ``tier_bits`` holds per namespace (arrays
+        of shape [tiers, namespaces]): one copy of the columns, a ``bincount`` per tier."""
+        with self._lock:
+            held = np.flatnonzero(self._tiers)
+            ns, size, bits = self._ns[held], self._size[held].astype(np.float64), self._tiers[held]
             seeds = list(self._ns_seeds)
-        nbytes = np.bincount(ns, weights=size, minlength=len(seeds)).astype(np.int64)
-        return seeds, nbytes, np.bincount(ns, minlength=len(seeds))
+        nbytes = np.zeros((len(tier_bits), len(seeds)), np.int64)
+        blocks = np.zeros((len(tier_bits), len(seeds)), np.int64)
+        for i, bit in enumerate(tier_bits):
+            on = (bits & bit) != 0
+            nbytes[i] = np.bincount(ns[on], weights=size[on], minlength=len(seeds))
+            blocks[i] = np.bincount(ns[on], minlength=len(seeds))
+        return seeds, nbytes, blocks
 
     def stale_rows(self, ns_seed: bytes, epoch: int) -> list[int]:
         """Unpinned rows of ``ns_seed`` from epochs other than ``epoch`` (for GC)."""

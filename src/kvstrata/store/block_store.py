@@ -47,6 +47,7 @@ from kvstrata.store import report, served
 from kvstrata.store.bumps import Bumps
 from kvstrata.store.recovery import Recovery
 from kvstrata.store.scopes import Scopes
+from kvstrata.store.shares import TenantGauges
 from kvstrata.store.protocol import Arena, ByteRuns, GroupHit, GroupRule, Hit, Reservation, StoreFigures
 from kvstrata.verify.compare import Comparison, Segment
 from kvstrata.store.verify import Verifier
@@ -75,6 +76,7 @@ class BlockStore(KeyMethods):
         self._loader = Loader(self._parts, self._writer, self._evictor)
         self._arena = Arena(self._parts.l1)
         self._scopes = Scopes(self._parts.keys.name, self._parts.tenants)
+        self._tenant_gauges = TenantGauges()
         self._bumps = Bumps(self._parts, self._evictor)
         self._verifier = Verifier(self._parts, self._evictor)
         if self._parts.recovery is not None:
@@ -101,7 +103,7 @@ class BlockStore(KeyMethods):
         """What an engine's metrics export: every counter now, the latency samples observed since
         the previous call (each handed out once), and the gauges of ``resident``, read only when a
         counter differs from ``last`` (the counters of the caller's previous report; None: always)."""
-        return report.figures(self._parts, last)
+        return report.figures(self._parts, self._tenant_gauges, last)
 
     def listen(self, listener: TierListener) -> None:
         """``listener(tier name, metas, stored)`` hears every batch of blocks committed to
@@ -353,7 +355,7 @@ class BlockStore(KeyMethods):
         ``namespaces_not_joined``: the gauges both adapters export. One vectorized count over the
         index (a byte per row), cheap enough for every engine step; unlike ``stats`` it reads
         nothing from disk or the network."""
-        return report.resident(self._parts)
+        return report.resident(self._parts, self._tenant_gauges)
 
     def stats(self) -> dict[str, object]:
         """Tiers, blocks and bytes per namespace and epoch, current epochs, the namespaces this

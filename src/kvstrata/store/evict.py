@@ -21,10 +21,10 @@ from kvstrata.format.block import payload_checksum
 from kvstrata.index import EntryMeta
 from kvstrata.index.blockindex import RETIRED
 from kvstrata.tenants import EPOCH
-from kvstrata.tiers import BlockTier, DiskTier
+from kvstrata.tiers import BlockTier, DiskTier, SharedFsTier
 from kvstrata.store import report
 from kvstrata.store.parts import Parts
-from kvstrata.store.shares import Shares
+from kvstrata.store.shares import victims
 from kvstrata.store.protocol import Reservation
 
 _EVICT_BATCH = 16
@@ -37,7 +37,6 @@ _COUNT_WAIT_S = 2.0
 class Evictor:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
-        self.shares = Shares(parts)
         self._lock = threading.Lock()  # one reservation evicts at a time
         self._holder = 0  # the thread holding ``_lock`` (it never waits for L2's count: prepare_store would)
         self._unreported = Counter[str]()  # dropped by the end of L2's count, reported by the next gc()
@@ -60,11 +59,11 @@ class Evictor:
                 slots = parts.l1.reserve(len(metas), size)
                 while len(slots) < len(metas):
                     short = len(metas) - len(slots)
-                    victims = self.shares.victims(parts.l1, short, metas[0].ns_seed, short * size)
-                    if not victims:
+                    chosen = victims(parts, parts.l1, short, metas[0].ns_seed, short * size)
+                    if not chosen:
                         parts.counters.inc("l1_full", short)
                         break
-                    evicted += [meta for meta in (self._evict_l1(row, cause) for row, cause in victims) if meta]
+                    evicted += [meta for meta in (self._evict_l1(row, cause) for row, cause in chosen) if meta]
                     slots += parts.l1.reserve(len(metas) - len(slots), size)
             finally:
                 self._holder = 0
@@ -144,9 +143,9 @@ class Evictor:
         counters = self.parts.counters
         while tier.used_bytes + nbytes > tier.capacity_bytes:
             need = tier.used_bytes + nbytes - tier.capacity_bytes
-            victims = self.shares.victims(tier, _EVICT_BATCH, writer, need)
+            chosen = victims(self.parts, tier, _EVICT_BATCH, writer, need)
             dropped: list[EntryMeta] = []
-            for row, cause in victims:
+            for row, cause in chosen:
                 if tier.used_bytes + nbytes <= tier.capacity_bytes:
                     break
                 meta = self.drop_from(tier, row)
@@ -178,7 +177,7 @@ class Evictor:
         waits for that count, which does the disk tier's part of the work)."""
         parts = self.parts
         removed = self._drop_stale(only, parts.tiers)
-        if parts.config.tenants.shares:  # the shared folder's sweep needs every namespace's tenant
+        if "remote" in parts.shares and isinstance(parts.remote, SharedFsTier):  # its sweep needs every tenant
             for ns in report.descriptors(parts, self.namespaces()).values():
                 parts.tenants.learn(ns)
         for tier in parts.backing:

@@ -21,7 +21,7 @@ from kvstrata.epochs.base import EpochStore, MemoryEpochs
 from kvstrata.index import BlockIndex
 from kvstrata.keys import KeyScheme, key_scheme
 from kvstrata.metrics import Counters
-from kvstrata.tenants import TenantMap, tier_shares
+from kvstrata.tenants import TenantMap, TierShares, tier_shares
 from kvstrata.tiers import REMOTE_BACKENDS, BlockTier, DiskTier, FileEpochs, MemoryTier
 from kvstrata.tiers.redis_client import redact_url
 from kvstrata.store.quarantine import Quarantine
@@ -47,6 +47,7 @@ class Parts:
     keys: KeyScheme  # how every key of this store is computed (``keys.hash``)
     quarantine: Quarantine  # namespaces served nothing here after a verified mismatch (``verify.py``)
     tenants: TenantMap  # namespace seed -> tenant, for the tiers' shares (``shares.py``) and metrics
+    shares: dict[str, TierShares]  # ``tenants.shares``: the policy of each tier that has shares
 
     @property
     def tiers(self) -> list[BlockTier]:
@@ -63,7 +64,7 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
         check_fits_one_block(config, l1_slot_bytes)
     keys = open_keys(config)
     counters = Counters()
-    tenants = TenantMap()
+    tenants, shares = TenantMap(), tier_shares(config.tenants.shares)
     index = BlockIndex(key_bits=config.testing.key_bits, lease_s=config.lease_seconds)
     l1 = MemoryTier(counters, config.l1.size, l1_slot_bytes, config.l1.pin_memory, l1_shared_path)
     backing: list[BlockTier] = []
@@ -92,7 +93,7 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
     if config.remote.enabled:  # the shared tier also holds the epochs every instance obeys
         floor = config.l2.path / "epochs" if config.l2.enabled else None  # the disk remembers
         remote, epochs = REMOTE_BACKENDS[config.remote.backend](
-            counters, config.remote, floor, auth, tier_shares(config.tenants.shares).get("remote"), tenants.tenant_of)
+            counters, config.remote, floor, auth, shares.get("remote"), tenants.tenant_of)
         backing.append(remote)
         where = redact_url(config.remote.url) if config.remote.backend == "redis" else str(
             config.remote.path)  # never a password in the log
@@ -108,7 +109,7 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
     saver = Saver(config.saves.queue_blocks, config.saves.threads)
     recovery = Recovery(index, l2) if l2 is not None else None
     return Parts(config, counters, index, l1, l2, remote, backing, epochs, saver, recovery, keys, Quarantine(counters),
-                 tenants)
+                 tenants, shares)
 
 
 def open_keys(config: StrataConfig) -> KeyScheme:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, TypeVar
 
 import numpy as np
 
@@ -14,53 +14,49 @@ from kvstrata.epochs.descriptors import decode as decode_descriptor
 from kvstrata.keys import Namespace
 from kvstrata.store.parts import Parts
 from kvstrata.store.protocol import StoreFigures
-from kvstrata.store.shares import Shares
+from kvstrata.store.shares import TenantGauges, tenant_report
 from kvstrata.verify.record import Record, decode as decode_record
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def descriptors(parts: Parts, seeds: Iterable[bytes]) -> dict[bytes, Namespace]:
     """See ``BlockStore.descriptors``."""
-    out: dict[bytes, Namespace] = {}
-    for seed in seeds:
-        raw = parts.epochs.descriptor(seed)
-        if raw is None:
-            continue
-        ns = decode_descriptor(raw, seed)
-        if ns is None:
-            parts.counters.inc("bad_descriptors")
-            log.warning("kvstrata: ignoring the descriptor of namespace %s: %d bytes that do not describe "
-                        "it (damaged, or not written by kvstrata)", seed[:8].hex(), len(raw))
-        else:
-            out[seed] = ns
-    return out
+    return _read_each(parts, seeds, parts.epochs.descriptor, decode_descriptor, "descriptor", "bad_descriptors")
 
 
 def verify_records(parts: Parts, seeds: Iterable[bytes]) -> dict[bytes, Record]:
     """The namespaces' verification records (``verify/record.py``: the verified hits of every process
-    sharing the epochs), read back as untrusted input: one that is not a record is skipped, logged
-    and counted (``bad_verify_records``), one that cannot be read is skipped and logged."""
-    out: dict[bytes, Record] = {}
+    sharing the epochs)."""
+    return _read_each(parts, seeds, parts.epochs.verify_record, lambda raw, _seed: decode_record(raw),
+                      "verification record", "bad_verify_records")
+
+
+def _read_each(parts: Parts, seeds: Iterable[bytes], read: Callable[[bytes], bytes | None],
+               decode: Callable[[bytes, bytes], T | None], what: str, counter: str) -> dict[bytes, T]:
+    """What ``read`` gives for each namespace, read back as untrusted input: a value that does not
+    decode is skipped, logged and counted (``counter``), one that cannot be read is skipped and logged."""
+    out: dict[bytes, T] = {}
     for seed in seeds:
         try:
-            raw = parts.epochs.verify_record(seed)
+            raw = read(seed)
         except OSError as e:
-            log.warning("kvstrata: cannot read the verification record of namespace %s: %s", seed[:8].hex(), e)
+            log.warning("kvstrata: cannot read the %s of namespace %s: %s", what, seed[:8].hex(), e)
             continue
         if raw is None:
             continue
-        record = decode_record(raw)
-        if record is None:
-            parts.counters.inc("bad_verify_records")
-            log.warning("kvstrata: ignoring the verification record of namespace %s: %d bytes that are not one "
-                        "(damaged, or not written by kvstrata)", seed[:8].hex(), len(raw))
+        value = decode(raw, seed)
+        if value is None:
+            parts.counters.inc(counter)
+            log.warning("kvstrata: ignoring the %s of namespace %s: %d bytes that are not one (damaged, or not "
+                        "written by kvstrata)", what, seed[:8].hex(), len(raw))
         else:
-            out[seed] = record
+            out[seed] = value
     return out
 
 
-def resident(parts: Parts) -> dict[str, int]:
+def resident(parts: Parts, tenants: TenantGauges) -> dict[str, int]:
     """See ``BlockStore.resident``."""
     bits = parts.index.tiers_of(slice(None))  # type: ignore[arg-type]
     out: dict[str, int] = {}
@@ -68,19 +64,16 @@ def resident(parts: Parts) -> dict[str, int]:
         out[f"{tier.name}_resident_blocks"] = int(np.count_nonzero(bits & tier.bit))
         out[f"{tier.name}_resident_bytes"] = int(tier.used_bytes)
     out["namespaces_not_joined"] = len(parts.epochs.not_joined())
-    for tier, tenants in Shares(parts).report().items():  # the tenant gauges (``{tier}_tenant_bytes@{tenant}``)
-        for tenant, figures in tenants.items():
-            for figure, value in figures.items():
-                out[f"{tier}_tenant_{figure}@{tenant}"] = value
+    out.update(tenants.figures(parts, out))  # ``{tier}_tenant_bytes@{tenant}``, ...
     return out
 
 
-def figures(parts: Parts, last: Mapping[str, int] | None) -> StoreFigures:
+def figures(parts: Parts, tenants: TenantGauges, last: Mapping[str, int] | None) -> StoreFigures:
     """See ``BlockStore.figures``."""
     counters = parts.counters.snapshot()
     samples = parts.counters.take_samples()
     moved = last is None or any(v != last.get(k, 0) for k, v in counters.items())
-    return StoreFigures(counters, resident(parts) if moved else {}, samples)
+    return StoreFigures(counters, resident(parts, tenants) if moved else {}, samples)
 
 
 def stats(parts: Parts) -> dict[str, object]:
@@ -100,5 +93,5 @@ def stats(parts: Parts) -> dict[str, object]:
     verified = {s[:8].hex(): r.as_dict() for s, r in verify_records(parts, seeds).items()}
     behind = sorted(s[:8].hex() for s in parts.epochs.not_joined())
     return {"tiers": tiers, "namespaces": spaces, "current_epochs": current, "not_joined": behind,
-            "descriptors": described, "verified": verified, "tenants": Shares(parts).report(),
+            "descriptors": described, "verified": verified, "tenants": tenant_report(parts),
             "counters": parts.counters.snapshot()}
