@@ -241,3 +241,32 @@ def test_the_documented_acl_line_runs_the_account(tmp_path, server):
         assert store.counters.get("remote_evicted_own_share") >= 8
         assert store.counters.get("remote_errors") == 0
     assert [e for e in admin.acl_log() if "setinfo" not in str(e.get("object", "")).lower()] == []
+
+
+def test_a_redis_that_dies_under_the_account_costs_hits_never_a_request(tmp_path):
+    """Redis is killed while an instance with shares writes and reads: saves, lookups, loads and
+    the gauges go on without raising (the account's calls run through the tier's breaker), the
+    tier's blocks are misses, and what the instance holds in L1 still loads intact."""
+    with redisutil.standalone(tmp_path / "redis") as (url, _port, procs):
+        with open_store(tmp_path, "a", url, SHARES) as store:
+            ns = make_namespace(tenant="a")
+            before = [random_tokens(f"d{i}", BLOCK_SIZE) for i in range(3)]
+            for p in before:
+                store_prompt(store, ns, p)
+            assert store.flush(10)
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            for i in range(TIER_BLOCKS + 8):  # past remote.size: the account would evict
+                store_prompt(store, ns, random_tokens(f"x{i}", BLOCK_SIZE))
+            store.flush(10)
+            assert store.resident()["l1_resident_blocks"] > 0  # the gauges, from the account's last copy
+            last = random_tokens(f"x{TIER_BLOCKS + 7}", BLOCK_SIZE)
+            hit = store.lookup(ns, last)
+            loaded, out = load_hit(store, hit)
+            assert loaded == 1  # still in L1
+            builders.assert_payloads_match(hit.chain.keys, out, 1, SIZE)
+            first = store.lookup(ns, random_tokens("x0", BLOCK_SIZE))  # evicted from L1: Redis only
+            assert load_hit(store, first)[0] == 0
+            assert store.counters.get("remote_errors") >= 1
+            assert store.counters.get("remote_circuit_opened") >= 1
