@@ -7,8 +7,11 @@ baselines it competes with, in one run, with their ratios.
 - ``remote``: the Redis tier beside raw redis-py on the same server, invalidation latency.
 - ``store-sglang``: SGLang's file backend beside kvstrata's StrataStorage, pages moved as SGLang's
   cache controller moves them (in ``./.venv-sglang`` when SGLang does not import here).
+- ``decode``: decode throughput of vLLM without a connector beside kvstrata on a deliberately slow
+  disk (a test-only trial planted into the server: saves never stall a step).
+- ``image-keys``: kvstrata's content digest of a processed image beside vLLM's hash of the raw one.
 
-The operator's own benchmarks (``store``, ``copy``, ``decode``, ``identity``) are ``kvstrata bench``.
+The operator's own benchmarks (``store``, ``copy``, ``identity``, ``verify``) are ``kvstrata bench``.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def _store_sglang(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from benchmarks import serve, ttft
+    from benchmarks import decode, image_keys, serve, ttft
 
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument("--quick", action="store_true", help="64 pages and 3 rounds instead of 256 and 5")
     sg.add_argument("--json", action="store_true", help="one JSON line (the default prints it indented)")
     sg.set_defaults(handler=_store_sglang)
+    dc = sub.add_parser("decode", help="decode throughput with a slow disk tier, beside no connector")
+    decode.add_arguments(dc)
+    dc.set_defaults(handler=decode.run)
+    ik = sub.add_parser("image-keys", help="content digest of a processed image beside vLLM's hash of the raw one")
+    image_keys.add_arguments(ik)
+    ik.set_defaults(handler=image_keys.run)
     return p
 
 

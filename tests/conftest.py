@@ -47,11 +47,12 @@ def config_factory(tmp_path: Path):
 
 @pytest.fixture
 def store_factory(tmp_path: Path):
-    """``store_factory(**overrides)``: a BlockStore on this test's folder, closed at teardown."""
+    """``store_factory(**overrides)``: a BlockStore on this test's folder, closed at teardown
+    (``key_bits``: the index's key width, ``BlockStore``'s)."""
     opened: list[BlockStore] = []
 
-    def factory(overrides: Mapping[str, Any] | None = None, /, **kwargs: Any) -> BlockStore:
-        store = BlockStore(make_config(tmp_path, overrides, **kwargs))
+    def factory(overrides: Mapping[str, Any] | None = None, /, *, key_bits: int = 128, **kwargs: Any) -> BlockStore:
+        store = BlockStore(make_config(tmp_path, overrides, **kwargs), key_bits=key_bits)
         opened.append(store)
         return store
 

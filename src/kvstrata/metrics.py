@@ -123,6 +123,9 @@ METRICS: tuple[MetricDef, ...] = (
               "verify_mismatches_{tier}"),
     MetricDef("verify_error", "histogram", "The worst relative L2 error of a layer of each verified block (0: equal; "
               "about 1.4: unrelated KV).", "verify_error", _ERROR_BUCKETS),
+    MetricDef("mm_items_unkeyed", "counter", "Multimodal items whose content could not be hashed (their data "
+              "not in the EngineCore: vLLM's shm processor cache): their blocks and every block after them are "
+              "keyed apart, never shared (vLLM only).", "mm_items_unkeyed"),
     MetricDef("quarantined_misses", "counter", "Lookups that missed because a verified mismatch quarantined the "
               "namespace here (verify.on_mismatch: quarantine) until its epoch changes.", "quarantined_misses"),
     MetricDef("lookup_seconds", "histogram", "Time of one lookup call (all blocks of a prompt).",

@@ -35,15 +35,17 @@ import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
                                         MLAAttentionSpec)
 
+from kvstrata.adapters import versions  # noqa: E402
 from kvstrata.adapters.vllm import namespace  # noqa: E402
 
 # The model's KV cache spec as vLLM's CPU build makes it for the presets of
 # examples/make_tiny_model.py: mla (latent 512 + rope 64, one "head") and a Llama-like dense model.
 MLA = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
 DENSE = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
-# Seeds of DENSE's namespace at TP=1 and TP=2 (device layout fixed below), as ``fields_seed`` gives
-# them: pinned since the model settings entered the namespace.
-DENSE_SEEDS = {1: "b0a4cf629a75a7030b200b14559372aa", 2: "eab7e36bd4f7e1a5f6a2b0bba9e42109"}
+# Seeds of DENSE's namespace at TP=1 and TP=2 (device layout and software fixed below), as
+# ``fields_seed`` gives them: pinned again when the software releases, the context-parallel sizes
+# and the attention backends entered the namespace.
+DENSE_SEEDS = {1: "2ef35661a2c888da3830c867678c1ee2", 2: "d3f6ddec20ec2b2dba89a9f9cd6a9b7f"}
 
 
 def fields_seed(ns) -> str:  # noqa: ANN001
@@ -54,10 +56,22 @@ def fields_seed(ns) -> str:  # noqa: ANN001
     return xxhash.xxh3_128_hexdigest(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
 
 
+SOFTWARE = {"vllm": "0.32.0+cpu", "torch": "2.13.0+cpu", "transformers": "5.19.0"}  # pinned for the seeds
+
+
+def pin_software(set_) -> None:  # noqa: ANN001
+    """The engine's, torch's and transformers' versions as ``SOFTWARE`` says (``set_``: setattr or
+    monkeypatch.setattr): seeds that do not move with the installed releases."""
+    set_(versions, "_version", lambda dist: SOFTWARE[dist])
+    set_(namespace.vllm, "__version__", SOFTWARE["vllm"])
+
+
 @pytest.fixture(autouse=True)
 def fixed_device(monkeypatch):
-    """Seeds independent of this machine's CPU ISA (a part of the real layout)."""
+    """Seeds independent of this machine's CPU ISA (a part of the real layout) and of the software
+    releases installed."""
     monkeypatch.setattr(namespace, "_device_layout", lambda vllm_config: "cpu:X86:amx=0:avx512=1")
+    pin_software(monkeypatch.setattr)
 
 
 def vllm_config(tp: int) -> SimpleNamespace:
@@ -66,7 +80,8 @@ def vllm_config(tp: int) -> SimpleNamespace:
         model_config=SimpleNamespace(model="/models/m", revision=None, dtype=torch.float32),
         load_config=SimpleNamespace(download_dir=None),
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                        decode_context_parallel_size=1, prefill_context_parallel_size=1))
 
 
 def kv_cache_config(spec, replicas: int) -> KVCacheConfig:  # noqa: ANN001
@@ -220,10 +235,11 @@ def test_settings_that_cannot_change_the_kv_leave_the_namespace_alone(model_dirs
 CHILD = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from test_vllm_namespace import DENSE, kv_cache_config, namespace
+from test_vllm_namespace import DENSE, kv_cache_config, namespace, pin_software
 from tests.builders import make_config
 from vllm.engine.arg_utils import EngineArgs
 namespace._device_layout = lambda vllm_config: "cpu:X86:amx=0:avx512=1"
+pin_software(setattr)
 out = {}
 for folder in sys.argv[3:]:
     config = EngineArgs(model=folder, block_size=32, skip_tokenizer_init=True,
@@ -249,3 +265,68 @@ def test_the_same_settings_give_the_same_namespace_in_another_process(model_dirs
     there = json.loads(lines[-1][len("RESULT "):])
     assert there[str(model_dirs["llama"])] == [here.seed.hex(), here.extra["model_config"]]
     assert there[copy][1] == here.extra["model_config"]
+
+
+# ------------------------------------------------------------------ software, parallel layouts, backends
+@pytest.mark.parametrize("part,other", [("vllm", "0.32.1"), ("vllm", "0.32.0+cu129"), ("torch", "2.14.1+cpu"),
+                                        ("transformers", "5.19.1")])
+def test_another_release_of_the_engine_torch_or_transformers_is_another_namespace(part, other, tmp_path,
+                                                                                   monkeypatch):
+    """Scenario: a rolling upgrade puts a new vLLM, torch or transformers release beside the old one
+    on the same shared tier. Model code, a rotary fix or a kernel's packing can change the KV a
+    prompt gives, and neither the weights nor the settings show it: the release itself is in the
+    namespace (an upgrade starts cold), unless the operator names a ``version_group`` for both."""
+    before = ns_of(DENSE, 1, 1, tmp_path)
+    assert before.extra["software"] == "vllm=0.32.0+cpu;torch=2.13.0+cpu;transformers=5.19.0"
+    monkeypatch.setitem(SOFTWARE, part, other)
+    pin_software(monkeypatch.setattr)
+    after = ns_of(DENSE, 1, 1, tmp_path)
+    assert after.seed != before.seed and other in after.extra["software"]
+
+    grouped = make_config(tmp_path, namespace__model_version="v1", namespace__version_group="llama-kv-1")
+    joined = namespace.namespace_for(vllm_config(1), kv_cache_config(DENSE, 1), grouped)
+    monkeypatch.setitem(SOFTWARE, part, {"vllm": "0.32.0+cpu", "torch": "2.13.0+cpu", "transformers": "5.19.0"}[part])
+    pin_software(monkeypatch.setattr)
+    assert namespace.namespace_for(vllm_config(1), kv_cache_config(DENSE, 1), grouped).seed == joined.seed
+    assert joined.extra["software"] == "group:llama-kv-1" and joined.seed != before.seed
+    other_group = make_config(tmp_path, namespace__model_version="v1", namespace__version_group="llama-kv-2")
+    assert namespace.namespace_for(vllm_config(1), kv_cache_config(DENSE, 1), other_group).seed != joined.seed
+
+
+@pytest.mark.parametrize("setting", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_at_start_up_on_vllms_own_config(setting, tmp_path):
+    """Scenario: with DCP a vLLM scheduler block holds block_size x DCP tokens spread over the ranks
+    (PCP spreads a request's positions), while kvstrata's block i is tokens [i*bs, (i+1)*bs) on every
+    rank: it would save and load other tokens' KV. vLLM's real ``ParallelConfig`` with either size 2
+    is refused with the setting, its value and the reason; at 1 (the default) both sizes are in the
+    namespace beside TP and PP."""
+    from vllm.config import ParallelConfig
+
+    config = vllm_config(2)
+    config.parallel_config = ParallelConfig(tensor_parallel_size=2, **{setting: 2})
+    with pytest.raises(ValueError, match=rf"{setting}=2 is not supported: .*context parallelism"):
+        namespace.namespace_for(config, kv_cache_config(DENSE, 1), make_config(tmp_path, namespace__model_version="v1"))
+    config.parallel_config = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert namespace.parallel_layout(config) == {"pp": "2", "cp": "dcp=1,pcp=1"}
+
+
+def test_the_attention_backends_the_workers_report_enter_the_namespace(tmp_path):
+    """Scenario: two engines of one release, model and settings on different hardware pick different
+    attention backends (vLLM chooses per layer when the model is built, in the worker), which lay K
+    and V out differently. Each worker reports its layers' backends in its handshake metadata; the
+    scheduler's namespace names their union, so the two never exchange blocks. Until the workers
+    report, the namespace is marked unreported; a vLLM that never hands the reports over gets a
+    namespace of its own, never shared."""
+    from kvstrata.adapters.vllm.backends import BackendReport, reported
+
+    base = ns_of(DENSE, 1, 1, tmp_path)
+    assert base.extra["attention"] == namespace.UNREPORTED
+    cpu = namespace.with_backends(base, reported({(0, 0): BackendReport(("CPU_ATTN",))}))
+    flash = namespace.with_backends(base, reported({(0, 0): BackendReport(("FLASH_ATTN",)),
+                                                    (0, 1): BackendReport(("FLASH_ATTN",))}))
+    assert cpu.extra["attention"] == "CPU_ATTN" and flash.extra["attention"] == "FLASH_ATTN"
+    assert len({base.seed, cpu.seed, flash.seed}) == 3
+    assert reported({(0, 0): BackendReport(("A",)), (1, 0): BackendReport(("B", "A"))}) == ("A", "B")
+    assert reported({(0, 0): None}) is None
+    lone = [namespace.with_backends(base, None) for _ in range(2)]
+    assert lone[0].seed != lone[1].seed and lone[0].extra["attention"].startswith("unreported:")

@@ -3,30 +3,39 @@ checked against vLLM's own prefix-cache hashing on real ``vllm.v1.request.Reques
 engine starts.
 
 The rule: kvstrata's identity is never smaller than vLLM's. Wherever vLLM's own block hashes of two
-requests differ, kvstrata's keys differ too (``test_..._never_smaller_than_vllms``); and where the
-only difference is positional (an image, embedding rows), blocks before it keep their keys, so a
-shared prefix still hits. The engines: tests/engines/test_vllm_identity.py.
+requests differ, kvstrata's keys differ too (``assert_never_smaller``); and where the only
+difference is positional (an image, embedding rows), blocks before it keep their keys, so a
+shared prefix still hits. One exception, on purpose: a multimodal item is keyed by its processed
+data, not by vLLM's name for it (a per-process counter or a client's UUID), so the same image
+under two names shares its keys, and two images under one name do not. The engines:
+tests/engines/test_vllm_identity.py, tests/engines/test_vllm_multimodal.py.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.builders import make_config
 
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
+from vllm.multimodal.inputs import (MultiModalBatchedField, MultiModalFeatureSpec, MultiModalFieldElem,  # noqa: E402
+                                    MultiModalFlatField, MultiModalKwargsItem, PlaceholderRange)
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from kvstrata.adapters.vllm import mm_items  # noqa: E402
+from kvstrata.adapters.vllm.mm_items import item_digest, unhashed_items  # noqa: E402
 from kvstrata.adapters.vllm.request_keys import encode, request_keys  # noqa: E402
 from kvstrata.adapter_versions import AdapterVersions  # noqa: E402
 from kvstrata.keys import NO_EXTRA, chain_keys, extra_digest, root_key  # noqa: E402
@@ -39,10 +48,29 @@ init_none_hash(sha256)
 HASHER = get_request_block_hasher(BS, sha256)
 
 
+_IMAGES: dict[str, MultiModalKwargsItem] = {}
+
+
+def image(name: str) -> MultiModalKwargsItem:
+    """A processed image as the EngineCore holds it (Idefics3's fields: flat ``pixel_values`` of 2
+    patches, batched ``num_patches``), its pixels drawn from ``name``; one object per name, as
+    vLLM's LRU receiver cache hands one object to every request that reuses an item."""
+    if name not in _IMAGES:
+        gen = torch.Generator().manual_seed(int.from_bytes(name.encode(), "little") % 2**63)
+        _IMAGES[name] = MultiModalKwargsItem({
+            "pixel_values": MultiModalFieldElem(torch.randn(2, 3, 8, 8, generator=gen),
+                                                MultiModalFlatField(slices=[slice(0, 2)], dim=0)),
+            "num_patches": MultiModalFieldElem(torch.tensor(2), MultiModalBatchedField()),
+        })
+    return _IMAGES[name]
+
+
 def request(tokens=PROMPT, *, salt=None, lora=None, mm=(), embeds=None, mask=None, rid="r"):  # noqa: ANN001, ANN201
-    """A real vLLM request, its block hashes computed by vLLM's own hasher."""
-    features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
-                                      mm_position=PlaceholderRange(offset=off, length=n)) for ident, off, n in mm]
+    """A real vLLM request, its block hashes computed by vLLM's own hasher. ``mm``: items as
+    (name, offset, length) with the pixels ``image(name)``, or (identifier, offset, length, data):
+    vLLM's name for the item and its data (a ``MultiModalKwargsItem``, or None)."""
+    features = [MultiModalFeatureSpec(data=image(m[0]) if len(m) == 3 else m[3], modality="image", identifier=m[0],
+                                      mm_position=PlaceholderRange(offset=m[1], length=m[2])) for m in mm]
     return Request(rid, list(tokens) if tokens is not None else None, SamplingParams(max_tokens=1), None,
                    prompt_embeds=embeds, prompt_is_token_ids=mask, mm_features=features or None,
                    lora_request=lora, cache_salt=salt, block_hasher=HASHER)
@@ -244,3 +272,114 @@ def test_per_block_digests_cost_no_per_token_work():
     chain_keys(ROOT, rk.tokens, BS, rk.extra, partial=False)
     again = time.perf_counter() - started
     assert first < 0.05 and again < first + 0.005
+
+
+COUNTER_NAME = "renderer0-mm-1-image-0"  # vLLM's name of a process's first item, prefix caching and mm cache off
+CLIENT_UUID = "9f" * 32  # a client's multi_modal_uuids value: any string, here shaped like a SHA-256
+
+
+@pytest.mark.parametrize("name", [COUNTER_NAME, CLIENT_UUID])
+def test_two_images_under_one_name_share_the_text_before_them_and_nothing_from_the_image_on(name):
+    """Scenario: vLLM names an item by a per-process counter (prefix caching off,
+    mm_processor_cache_gb=0: a restarted engine's first image has the previous one's name) or by a
+    client's UUID, and kvstrata keyed the image's blocks on that name: a second process served the
+    first image's KV for another image. vLLM's own hashes cannot tell the two apart; kvstrata's
+    keys, made from the pixels, do."""
+    cat, dog = request(mm=[(name, 40, 32, image("cat"))]), request(mm=[(name, 40, 32, image("dog"))])
+    assert cat.block_hashes == dog.block_hashes  # the hole: vLLM keys the name
+    k_cat, k_dog = keys_of(cat), keys_of(dog)
+    assert k_cat[:2] == k_dog[:2] == keys_of(request())[:2]
+    assert all(a != b for a, b in zip(k_cat[2:], k_dog[2:]))
+
+
+def test_the_same_image_under_two_names_shares_its_keys():
+    """The counter form and a client's UUID for one image (and a copy of its data, another
+    object): the same keys throughout, where vLLM's hashes differ from the image on."""
+    copy = MultiModalKwargsItem({k: MultiModalFieldElem(e.data.clone(), e.field) for k, e in image("cat").items()})
+    by_counter = request(mm=[(COUNTER_NAME, 40, 32, image("cat"))])
+    by_uuid = request(mm=[(CLIENT_UUID, 40, 32, copy)])
+    assert by_counter.block_hashes[2:] != by_uuid.block_hashes[2:]
+    assert keys_of(by_counter) == keys_of(by_uuid) == keys_of(request(mm=[("cat", 40, 32)]))
+
+
+def shm_address() -> MultiModalKwargsItem:
+    """What the EngineCore holds with ``mm_processor_cache_type="shm"``: the address of the data
+    in shared memory (vllm/multimodal/cache/shm.py ``address_as_item``), not the data."""
+    return MultiModalKwargsItem({name: MultiModalFieldElem(value, MultiModalBatchedField())
+                                 for name, value in (("address", 4096), ("monotonic_id", 1), ("signature", [7, 7]))})
+
+
+@pytest.mark.parametrize("data", [None, shm_address()], ids=["stripped", "shm-address"])
+def test_an_item_without_its_data_is_keyed_apart_and_never_shared(data):
+    """No content to hash: the blocks from the item on are this request's alone (not even the same
+    request again shares them, nor one with the pixels); the text before it is still shared; the
+    item is counted."""
+    before = unhashed_items()
+    first, again = (keys_of(request(mm=[(COUNTER_NAME, 40, 32, data)])) for _ in range(2))
+    with_pixels = keys_of(request(mm=[(COUNTER_NAME, 40, 32, image("cat"))]))
+    assert first[:2] == again[:2] == with_pixels[:2]
+    assert all(a != b != c for a, b, c in zip(first[2:], again[2:], with_pixels[2:]))
+    assert unhashed_items() == before + 2
+
+
+def test_unkeyed_items_reach_the_engines_metrics():
+    """The count of items keyed apart travels with the scheduler's stats to ``/metrics``
+    (``kvstrata_mm_items_unkeyed_total``), as a delta per report."""
+    from kvstrata.adapters.vllm.metrics import StatsCollector
+    from kvstrata.metrics import SOURCES
+    from kvstrata.store import BlockStore
+
+    assert "mm_items_unkeyed" in SOURCES
+    with BlockStore(make_config(tempfile.mkdtemp())) as store:
+        stats = StatsCollector(store)
+        stats.collect()
+        keys_of(request(mm=[(COUNTER_NAME, 40, 32, None)]))
+        assert stats.collect().data["counters"]["mm_items_unkeyed"] == 1
+        assert stats.collect() is None  # nothing moved since
+
+
+def test_item_digests_cover_keys_fields_dtypes_shapes_and_bytes_not_the_batch_they_came_in():
+    pixels = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+
+    def item(data=pixels, key="pixel_values", field=None):  # noqa: ANN001, ANN202
+        field = field or MultiModalFlatField(slices=[slice(0, 2)])
+        return MultiModalKwargsItem({key: MultiModalFieldElem(data, field)})
+
+    base = item_digest(item())
+    assert len(base) == 16 and item_digest(item(pixels.clone())) == base
+    others = [item(pixels.reshape(3, 2, 4)), item(pixels.view(torch.int32)), item(pixels.double()),
+              item(key="image_embeds"), item(field=MultiModalBatchedField()),
+              item(field=MultiModalFlatField(slices=[slice(0, 2)], dim=1)), item([pixels[0], pixels[1]]),
+              item(pixels + 1e-6)]
+    assert len({base, *(item_digest(o) for o in others)}) == len(others) + 1
+    # the batch's slices (which depend on the items processed together) are not content
+    assert item_digest(item(field=MultiModalFlatField(slices=[slice(3, 5), slice(0, 3)]))) == base
+    assert item_digest(item(pixels.transpose(0, 2).contiguous().transpose(0, 2))) == base  # strided: its values
+    bf16 = item(pixels.bfloat16())
+    assert item_digest(bf16) not in (base, None)
+
+
+def test_the_digest_cache_never_gives_a_dead_items_digest_to_a_new_item_at_its_id():
+    """Digests are cached per item object, keyed by id(); an id is reused once its object is
+    gone, and the new object (other pixels) must get its own digest."""
+    def elems(seed: int) -> dict[str, MultiModalFieldElem]:
+        return {"pixel_values": MultiModalFieldElem(torch.full((4,), float(seed)), MultiModalBatchedField())}
+
+    reused = 0
+    for seed in range(1, 51):
+        old_elems, new_elems = elems(0), elems(seed)  # kept alive: only the item itself is freed below
+        first = MultiModalKwargsItem(old_elems)
+        old_id, old_digest = id(first), item_digest(first)
+        assert item_digest(first) is old_digest and old_id in mm_items._cache  # cached while it lives
+        del first
+        assert old_id not in mm_items._cache  # forgotten with its object
+        new = MultiModalKwargsItem(new_elems)  # CPython most often puts it where the old one was
+        reused += id(new) == old_id
+        assert item_digest(new) != old_digest
+        if reused:
+            break
+    assert reused, "no new item ever got a freed item's id (allocator behaviour changed)"
+    # an entry at the id that is not this object's (its object's callback not run yet) is not served
+    other = MultiModalKwargsItem(elems(7))
+    mm_items._cache[id(new)] = (weakref.ref(other), old_digest)
+    assert item_digest(new) != old_digest

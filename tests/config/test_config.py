@@ -59,6 +59,25 @@ def test_a_renamed_key_names_file_old_key_and_new_name(tmp_path, via_override):
     assert "unknown key" not in msg, msg
 
 
+@pytest.mark.parametrize("key,value", [("identity_hole", "lora_version"), ("key_bits", 16),
+                                       ("l2_write_delay_ms", 1000)])
+@pytest.mark.parametrize("via_override", [False, True])
+def test_the_removed_testing_section_is_refused_naming_the_key(tmp_path, key, value, via_override):
+    """Scenario: an operator's YAML (or a ``kv_connector_extra_config`` override) sets a test-only
+    switch of the old ``testing:`` section, one of which planted a key hole (a LoRA keyed by name
+    alone) and another forced index collisions. No setting reaches them any more: the config is
+    refused, naming the file, the key and its value, and why; the engine never starts with it."""
+    if via_override:
+        path = write(tmp_path, "l1:\n  size: 1GiB\n")
+        msg = error_of(path, {f"testing.{key}": value})
+    else:
+        path = write(tmp_path, f"testing:\n  {key}: {value}\n")
+        msg = error_of(path)
+    assert str(path) in msg and f"testing.{key} = {value!r}: removed: test-only settings" in msg, msg
+    assert "unknown key" not in msg, msg
+    assert "testing" not in StrataConfig.model_fields
+
+
 def test_wrong_type_names_key_expectation_and_value(tmp_path):
     path = write(tmp_path, "saves:\n  threads: many\n")
     msg = error_of(path)

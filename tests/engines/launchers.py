@@ -59,6 +59,7 @@ import pytest
 
 from kvstrata.tools import serving
 from tests.harness.sglang_server import SGLangServer, cpu_env, cpu_flags, find_python
+from tests.harness.trials import environment as trials_environment
 
 from .zygote import Zygote
 
@@ -175,7 +176,8 @@ class StepEngine:
                  speculative: dict[str, Any] | None = None, pp: int = 1,
                  compilation: dict[str, Any] | None = None, **options: Any) -> None:
         """``options``: more keys of vllm_steps.py's SPEC (``lora``, ``prompt_embeds``, ``hf_overrides``,
-        ``quantization``, ``max_model_len``)."""
+        ``quantization``, ``max_model_len``; ``trials``: test-only behaviour planted into every process of
+        the engine, tests/harness/trials.py)."""
         log_dir.mkdir(parents=True, exist_ok=True)
         tag = f"{name}-{os.urandom(3).hex()}"
         spec = log_dir / f"{tag}.json"
@@ -190,7 +192,9 @@ class StepEngine:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self.started = time.monotonic()
         self.ready_s: float | None = None
-        environ = {**os.environ, **(env or {})}
+        # Test-only trials reach every process of the engine: its EngineCore and workers are spawned.
+        environ = {**os.environ, **(trials_environment(options["trials"]) if options.get("trials") else {}),
+                   **(env or {})}
         if prefix or os.environ.get("KVSTRATA_TEST_ZYGOTE") == "0":
             self.proc: Any = subprocess.Popen([sys.executable, *prefix, str(STEPS), str(spec)], stdin=subprocess.PIPE,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,

@@ -94,6 +94,40 @@ def test_a_lora_adapter_rewritten_at_its_path_changes_the_sglang_namespace(model
     assert rewritten["base"] == first["base"] and rewritten["lora"][0] != first["lora"][0]
 
 
+VERSIONS = """
+from kvstrata.adapters import versions
+real = versions._version
+group = load_strata_config({"namespace.model_version": "v1", "l2.path": spec["l2"], "namespace.version_group": "g1"})
+publish(prepare_server_args(["--device", "cpu", *spec["variants"]["base"]]), role="scheduler")
+for torch_version in ("2.13.0+cpu", "2.14.1+cpu"):
+    versions._version = lambda dist: torch_version if dist == "torch" else real(dist)
+    for name, config in (("own", cfg), ("group", group)):
+        ns = namespace_for(storage, config, rows, True)
+        out[f"{name} torch {torch_version}"] = [ns.seed.hex(), ns.extra["software"]]
+"""
+
+
+def test_the_sglang_namespace_names_its_releases_and_resolved_attention_backends(model, tmp_path):
+    """Scenario: a rolling upgrade of SGLang, torch or transformers beside the old release, or a
+    server whose attention backends resolve otherwise, on one shared tier: neither the weights nor
+    the model settings show what changes the KV. The namespace names SGLang's, torch's and
+    transformers' releases (another torch: another namespace; one ``namespace.version_group``
+    joins them) and the (prefill, decode) attention backends the server resolved."""
+    base = ["--model-path", model]
+    variants = {"base": base,
+                "split": [*base, "--prefill-attention-backend", "torch_native", "--decode-attention-backend", "intel_amx"]}
+    got = sglang_probe(PROBE.replace('print("RESULT', VERSIONS + '\nprint("RESULT'),
+                       [json.dumps({"l2": str(tmp_path / "l2"), "variants": variants})])
+    import re
+
+    assert re.fullmatch(r"sglang=0\.5\.23;torch=\S+;transformers=\S+", got["own torch 2.13.0+cpu"][1]), got
+    assert got["own torch 2.13.0+cpu"][0] != got["own torch 2.14.1+cpu"][0]
+    assert got["group torch 2.13.0+cpu"] == got["group torch 2.14.1+cpu"] == [got["group torch 2.13.0+cpu"][0],
+                                                                              "group:g1"]
+    assert got["group torch 2.13.0+cpu"][0] not in (got["own torch 2.13.0+cpu"][0], got["own torch 2.14.1+cpu"][0])
+    assert got["split"][0] != got["base"][0]
+
+
 def test_a_backend_outside_a_server_keys_on_what_it_is_given(tmp_path):
     """No published server args (an in-process backend): no model settings to cover, the namespace
     is what the storage config gives, as before."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.cli.stats_view import size_text
-from engines.launchers import BS, FORK_A, FORK_B, LONG, SHARED, delta, disk_config, gen, run_command, run_once, salt
+from engines.launchers import BS, FORK_A, FORK_B, LONG, SHARED, StepEngine, delta, disk_config, gen, run_command, run_once, salt
 
 pytest.importorskip("vllm")
 
@@ -47,9 +47,10 @@ def test_same_prompt_after_reset_loads_all_but_last_token_in_separate_processes_
     every disk write takes 1 s: the 16 blocks of the prompt would need 16 s of disk time, and
     no request may wait for any of it (saves go to L1 in-step, to disk in the background), so
     the second request is served whole from L1 while the disk is still busy."""
-    cfg = disk_config(tmp_path, "slow.yaml", testing="\n  l2_write_delay_ms: 1000")
-    out = run_once(model, tmp_path, cfg, [{"op": "arenas"}, gen(LONG), {"op": "arenas"},
-                                          {"op": "reset"}, gen(LONG)], mp=True)
+    cfg = disk_config(tmp_path, "slow.yaml")
+    with StepEngine(model, tmp_path, cfg, mp=True, trials={"l2_write_delay_ms": 1000}) as engine:
+        out = engine.run([{"op": "arenas"}, gen(LONG), {"op": "arenas"}, {"op": "reset"}, gen(LONG)])
+        assert "disk writes slowed by 1000 ms" in engine.tail(200_000)  # the trial reached the EngineCore
     before, first, after, _, second = out
     # The arena file is unlinked once the worker has mapped it: nothing is left in /dev/shm
     # however the engine ends, and the mappings keep working.
@@ -179,6 +180,11 @@ def test_stats_names_the_served_model_and_invalidate_model_stops_its_hits(model,
     data = json.loads(kvstrata("stats", "--config", str(cfg), "--json"))
     (ns_id, described), = data["descriptors"].items()
     assert described["model"] == model and described["engine"] == "vllm" and described["block_size"] == BS
+    # The namespace names what the workers chose and what computed the KV (docs/consistency.md,
+    # "Software and attention backends"): one descriptor, written once the workers reported.
+    assert described["extra"]["attention"] == "CPU_ATTN", described["extra"]
+    assert described["extra"]["software"].startswith("vllm=0.32.0") and ";torch=" in described["extra"]["software"]
+    assert described["extra"]["cp"] == "dcp=1,pcp=1"
     blocks = -(-len(LONG) // BS)  # the full blocks and the partial tail
     epoch_id = data["current_epochs"][ns_id]
     stored = data["namespaces"][ns_id][epoch_id]

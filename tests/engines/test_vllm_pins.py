@@ -1,8 +1,8 @@
 """A load's pin through the real vLLM engine: the blocks a worker copies out
 of its L1 slots are the blocks the scheduler pinned, however long the copy takes.
 
-The copy is made slow by the worker's test-only switch ``$KVSTRATA_TEST_LOAD_DELAY_S``
-(``adapters/vllm/worker.py``), far past a tiny ``lease_seconds``. On this engine (one process,
+The copy is made slow by the test-only trial ``load_delay_s`` (tests/harness/trials.py, planted
+into the engine's process), far past a tiny ``lease_seconds``. On this engine (one process,
 steps in order) the one writer of L1 slots that runs during a worker's copy is a background
 staging job (a disk hit larger than ``l1.stage_inline_bytes``): it is what would refill the
 slots of a pin that ran out. ``tests/index/test_pins.py`` has the same rule at the store.
@@ -18,8 +18,6 @@ import pytest
 from engines.launchers import BS, delta, gen, ids
 
 pytest.importorskip("vllm")
-
-from kvstrata.adapters.vllm.worker import TEST_LOAD_DELAY_ENV  # noqa: E402 - needs vLLM
 
 DELAY_S = 1.5  # each step with loads: the worker sleeps this long before copying
 C = ids(701, 7 * BS + 16)  # 7 full blocks and a 16-token tail: 8 L1 slots
@@ -48,7 +46,7 @@ def test_a_load_slower_than_the_lease_copies_the_blocks_own_bytes(vllm_engine, m
     cfg = tmp_path / "pins.yaml"
     cfg.write_text(f"l1:\n  size: {8 * slot_bytes(model)}\n  stage_inline_bytes: 0\n"
                    f"l2:\n  path: {tmp_path / 'l2'}\nlease_seconds: 0.000001\n")
-    engine = vllm_engine(cfg, env={TEST_LOAD_DELAY_ENV: str(DELAY_S)})
+    engine = vllm_engine(cfg, trials={"load_delay_s": DELAY_S})
     want_a, want_c = baseline.many([A, C])
     cold_c, cold_a, before, _, batch, after = engine.run(
         [gen(C), gen(A), {"op": "counters"}, {"op": "reset"}, {"op": "generate", "prompts": [A, C]},

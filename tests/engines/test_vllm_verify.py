@@ -140,16 +140,16 @@ def test_honest_traffic_on_every_model_kind_verifies_clean(kind, tmp_path):
 
 
 def test_a_planted_identity_hole_is_caught_and_answered_as_vllm_alone(model, tmp_path):
-    """One of the holes the identity work closed, reproduced (``testing.identity_hole:
-    lora_version``: a LoRA adapter keyed by name and path, not by content, as kvstrata keyed it
-    before): an adapter rewritten in place under its name and path keeps its keys, so kvstrata holds
+    """One of the holes the identity work closed, reproduced (the test-only trial ``identity_hole:
+    lora_version``, tests/harness/trials.py: a LoRA adapter keyed by name and path, not by content,
+    as kvstrata keyed it before): an adapter rewritten in place under its name and path keeps its keys, so kvstrata holds
     KV of the old adapter under them. At ``sample_rate: 1.0`` the first request with the new
     adapter is verified: every block it would have loaded is a mismatch, deleted, and its answer is
     the new adapter's (the same request under a fresh salt: keyed apart, computed)."""
     from engines.test_vllm_identity import PROMPT, write_lora
 
-    cfg = disk_config(tmp_path, verify="{sample_rate: 1.0}", testing="{identity_hole: lora_version}")
-    with StepEngine(model, tmp_path, cfg, name="hole", lora=True) as engine:
+    cfg = disk_config(tmp_path, verify="{sample_rate: 1.0}")
+    with StepEngine(model, tmp_path, cfg, name="hole", lora=True, trials={"identity_hole": "lora_version"}) as engine:
         a = write_lora(tmp_path / "a", 1)
         (old,) = engine.run([gen(PROMPT, lora=["a", 1, a]), {"op": "sleep", "s": 1.0}])[:1]
         write_lora(tmp_path / "a", 3)  # other weights, same name, path and file size
@@ -163,13 +163,42 @@ def test_a_planted_identity_hole_is_caught_and_answered_as_vllm_alone(model, tmp
     assert mismatches(d) == len(PROMPT) // BS and checks(d) == len(PROMPT) // BS, d
 
 
-def test_honest_traffic_with_an_eagle_head_verifies_clean(model, tmp_path):
+def test_honest_traffic_with_an_eagle_head_verifies_clean(model, tmp_path, baseline):
     """EAGLE: the head's KV layer is in the target's one KV cache group (tests/engines/
-    test_vllm_spec.py), so a verified block covers it too; 100+ blocks, 0 mismatches."""
-    from engines.test_vllm_spec import eagle_head
+    test_vllm_spec.py), so a verified block covers it too; 100+ blocks, 0 mismatches.
+
+    Then honest prompts that share a prefix and go on differently (``DIVERGING``, issue 49): the
+    head's KV in a block's last slot depends on the next token, so with blocks keyed on their
+    tokens alone, the next prompt's verification flagged and deleted P's last block whenever its
+    next token differed (P+X then P+Y, P then P+Y, long tails), 3 honest blocks. Keyed on the next
+    token too (adapters/vllm/drafts.py), each is verified clean, over the blocks it would load.
+    Last, a prefill chunked within a shared prefix: vLLM 0.32 writes the draft KV at the chunk's
+    end from the prompt's last token, so the block holding it is not stored (stored, it was
+    flagged: a relative error of 0.10 on the head's layer)."""
+    from engines.test_vllm_spec import DIVERGING, diverging_steps, eagle_head
 
     spec = {"method": "eagle", "model": eagle_head(model, tmp_path / "head"), "num_speculative_tokens": 3}
     prompts = [ids(1100 + i, 8 * BS + 5) for i in range(13)]
     cfg = disk_config(tmp_path, verify="{sample_rate: 1.0}")
+    filler, q = ids(1300, 3900), ids(1301, 8 * BS)  # [filler, Q+X]: over vLLM CPU's 4,096 tokens a step
     with StepEngine(model, tmp_path, cfg, name="eagle-verify", speculative=spec) as engine:
         verified_clean(engine, prompts, "eagle")
+        runs = engine.run(diverging_steps({"op": "reset", "connector": False}, counted=True))
+        chunked = engine.run([{"op": "generate", "prompts": [filler, q + ids(1302, 50)], "max_tokens": 4},
+                              {"op": "sleep", "s": 1.0}, {"op": "reset", "connector": False},
+                              {"op": "counters"}, gen(q + ids(1303, 50)), {"op": "counters"}])
+    seen = {}  # per shape: (blocks verified, mismatched)
+    for i, (name, (_, then, _)) in enumerate(DIVERGING.items()):
+        before, done, after = runs[6 * i + 3 : 6 * i + 6]
+        seen[name] = checks(d := delta(after, before)), mismatches(d)
+        print(f"eagle, {name}: {seen[name][0]} blocks verified, {seen[name][1]} mismatched; {d}")
+        assert done["cached"] == 0 and done["tokens"] == baseline(then), name
+    assert seen == {name: (served, 0) for name, (_, _, served) in DIVERGING.items()}
+    # Q+X's prefill was chunked at token 196 (the step's 4,096 less the filler's 3,900), and vLLM's
+    # drafter wrote the draft KV at 195 from X's last token: block 6 was not stored, so Q+Y's
+    # verification covers blocks 0 to 5, clean (stored, block 6 was flagged).
+    before, done, after = chunked[3:]
+    d = delta(after, before)
+    print(f"eagle, a prefill chunked within Q: {checks(d)} blocks verified, {mismatches(d)} mismatched; {d}")
+    assert (checks(d), mismatches(d)) == ((4096 - len(filler)) // BS, 0), d
+    assert done["tokens"] == baseline(q + ids(1303, 50))

@@ -13,7 +13,10 @@ worker processes), "tp": int (tensor-parallel ranks, one worker process each), "
 compilation_config, with enforce_eager off; null: --enforce-eager), "lora": bool (LoRA on: rank 8, two
 adapters at once), "prompt_embeds": bool (vLLM's enable_prompt_embeds), "hf_overrides": dict|null,
 "quantization": str|null, "max_model_len": int (default 4096), "limit_mm_per_prompt": dict|null (vLLM's,
-e.g. {"image": 1}, for a vision-language model)}.
+e.g. {"image": 1}, for a vision-language model), "prefix_caching": bool (vLLM's enable_prefix_caching, default
+true), "mm_processor_cache_gb": float|null (vLLM's; 0 turns its multimodal processor cache off; null: vLLM's
+default), "trials": dict|null (test-only behaviour planted into kvstrata before the engine is built:
+tests/harness/trials.py)}.
 
 Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null, "logprobs": k|null} ->
 {"tokens", "cached", "ms"} (and "top": the k highest logprobs of each generated token); {"op": "generate", "prompts": [[ids], ...]} -> {"tokens": [[...]], "cached":
@@ -21,7 +24,8 @@ Steps: {"op": "generate", "prompt": [ids], "max_tokens": n, "salt": str|null, "l
 path] (a LoRARequest) and "embeds": {"at": [lo, hi], "seed": s} (a mixed prompt: the ids, with rows lo..hi-1
 given as embeddings drawn from seed s, vLLM's ``prompt_is_token_ids`` form; "seed" null gives the token
 embeddings of the ids themselves) or "images": [s, ...] (a vision-language model's prompt: the ids hold its
-image token where each image goes, and image i is 64x64 RGB noise drawn from seed s);
+image token where each image goes, and image i is 64x64 RGB noise drawn from seed s), with "uuids": [str|null,
+...] beside "images" (vLLM's multi_modal_uuids: the client's name of each image, null: none);
 {"op": "reload_weights", "seed": s, "scale": x} -> {"ok"}: every weight
 of the model folder multiplied by ``1 + x * N(0, 1)`` (drawn from seed s) and loaded into the running engine
 in memory (``collective_rpc("reload_weights")``, in-process EngineCore), the model folder untouched; {"op": "reset", "connector": bool} ->
@@ -78,7 +82,8 @@ def build(spec: dict):
             ktc["kv_connector_module_path"] = "kvstrata.adapters.vllm"
     return LLM(model=spec["model"], enforce_eager=not spec.get("compilation"),
                compilation_config=spec.get("compilation"), block_size=spec.get("block_size", 32),
-               max_model_len=spec.get("max_model_len", 4096), kv_transfer_config=ktc, enable_prefix_caching=True, seed=0,
+               max_model_len=spec.get("max_model_len", 4096), kv_transfer_config=ktc,
+               enable_prefix_caching=spec.get("prefix_caching", True), seed=0,
                tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=spec.get("dtype", "auto"),
                speculative_config=spec.get("speculative"),
                disable_log_stats=not spec.get("speculative"), **_options(spec))
@@ -103,14 +108,19 @@ def _options(spec: dict) -> dict:
         out["quantization"] = spec["quantization"]
     if spec.get("limit_mm_per_prompt"):
         out["limit_mm_per_prompt"] = spec["limit_mm_per_prompt"]
+    if spec.get("mm_processor_cache_gb") is not None:
+        out["mm_processor_cache_gb"] = spec["mm_processor_cache_gb"]
     return out
 
 
 def _prompt(op: dict, spec: dict) -> dict:
     """The prompt of a generate step: token ids, a mixed ids + embeddings prompt (``embeds``), or
-    ids with images (``images``)."""
+    ids with images (``images``, named by the client with ``uuids``)."""
     if "images" in op:
-        return {"prompt_token_ids": op["prompt"], "multi_modal_data": {"image": _images(op["images"])}}
+        prompt = {"prompt_token_ids": op["prompt"], "multi_modal_data": {"image": _images(op["images"])}}
+        if op.get("uuids"):
+            prompt["multi_modal_uuids"] = {"image": list(op["uuids"])}
+        return prompt
     if "embeds" not in op:
         return {"prompt_token_ids": op["prompt"]}
     import torch
@@ -254,8 +264,10 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     from tests.harness.starts import note_start
+    from tests.harness.trials import plant
 
     note_start("vllm offline engine")
+    plant(spec.get("trials"))  # before vLLM builds the engine: a forked EngineCore has them too
     llm = build(spec)
     print("READY", flush=True)
     for line in sys.stdin:

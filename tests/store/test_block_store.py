@@ -487,21 +487,21 @@ def test_save_is_refused_and_counted_when_the_queue_is_full(store_factory, ns):
 
 # -------------------------------------------------------------------------- collisions
 def test_truncated_key_collisions_never_serve_another_prompts_bytes(tmp_path, ns):
-    """Scenario: testing.key_bits is 16; two stores sharing one disk tier each put 1500 distinct
+    """Scenario: the index keys on 16 bits (``key_bits=16``); two stores sharing one disk tier each put 1500 distinct
     one-block prompts (3000 in all), then a fresh store recovers the folder. In all three,
     every lookup either misses or loads exactly that prompt's own payload, and collisions really
     happened (some prompt that was put is not found)."""
     size = 32
-    cfg = make_config(tmp_path, **{"testing.key_bits": 16, "l1.size": 4000 * size})
+    cfg = make_config(tmp_path, **{"l1.size": 4000 * size})
     prompts = _prompts("c", 3000)
-    a, b = BlockStore(cfg), BlockStore(cfg)
+    a, b = BlockStore(cfg, key_bits=16), BlockStore(cfg, key_bits=16)
     try:
         keys = []
         for i, p in enumerate(prompts):
             chain, _ = store_prompt(a if i % 2 else b, ns, p, size)
             keys.append(chain.keys[0])
         assert len(set(k[:2] for k in keys)) < len(keys), "no 16-bit collision among the keys"
-        with BlockStore(cfg) as fresh:
+        with BlockStore(cfg, key_bits=16) as fresh:
             for store in (a, b, fresh):
                 misses = 0
                 for p, key in zip(prompts, keys):
@@ -534,8 +534,7 @@ def test_load_never_serves_a_colliding_block_that_replaced_the_hit(store_factory
     """Scenario: key_bits is 16; X is looked up (no pin), then evicted by other prompts, then Y,
     whose truncated key equals X's, is stored. Loading the old hit must not fill the buffer with
     Y's bytes: it either loads nothing or X's own payload."""
-    store = store_factory(**{"testing.key_bits": 16, "l1.size": 32 * BLOCK_BYTES,
-                             "l2.enabled": False})
+    store = store_factory(key_bits=16, **{"l1.size": 32 * BLOCK_BYTES, "l2.enabled": False})
     x, y = _colliding_prompts(store, ns, 16)
     x_chain, _ = store_prompt(store, ns, x)
     hit = store.lookup(ns, x)

@@ -41,6 +41,7 @@ from kvstrata.keys import FORMAT_VERSION  # noqa: E402
 from kvstrata.metrics import Counters  # noqa: E402
 from kvstrata.store import BlockStore, ByteRuns  # noqa: E402
 from kvstrata.tiers import DiskTier  # noqa: E402
+from tests.harness.trials import planted as plant_trials  # noqa: E402
 
 NORMAL_S = 5.0  # "normal time" for a store open or a check of a folder of a few dozen files
 
@@ -637,7 +638,7 @@ def _files_bytes(blocks: Path) -> int | None:
 
 
 @pytest.mark.parametrize("path", ["write_through", "direct"])
-def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
+def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path, monkeypatch):
     """Scenario: ``l2.size`` holds 8 blocks; prompts of 6 blocks are saved one after another
     (write-through from L1, or a ``save`` of ``ByteRuns`` straight from the caller's memory) on
     a slow disk (40 ms per block: time for the sampler's walks even on a busy machine). A sampler walks the folder meanwhile: the bytes of the files in
@@ -645,7 +646,8 @@ def test_l2_never_exceeds_its_size_while_a_batch_is_written(tmp_path, path):
     prompt is on disk."""
     ns = make_namespace()
     cost = HEADER_SIZE + BLOCK_BYTES
-    cfg = make_config(tmp_path, **{"l2.size": 8 * cost, "testing.l2_write_delay_ms": 40})
+    plant_trials(monkeypatch, l2_write_delay_ms=40)
+    cfg = make_config(tmp_path, **{"l2.size": 8 * cost})
     peak, samples, stop = [0], [0], threading.Event()
 
     def sample(blocks: Path) -> None:

@@ -26,7 +26,7 @@ KEYS = key_scheme(NS.key_scheme)  # the stores here hold no secret
 def loaded(tmp_path, tokens):
     """A real store holding ``tokens``; returns (hit, the loaded blocks, the lookup's start)."""
     spec = {"l2": str(tmp_path / "l2")}
-    with BlockStore(store_config(spec, 128)) as store:
+    with BlockStore(store_config(spec)) as store:
         epoch, chain = store.chain(NS, tokens)
         store.save_now(NS, epoch, chain, torch.from_numpy(payloads_of(chain.keys)))
         started = time.monotonic_ns()

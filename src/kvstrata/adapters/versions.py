@@ -1,4 +1,5 @@
-"""The engine versions the adapters are tested against, and the start-up check.
+"""The engine versions the adapters are tested against, the start-up check, and the software
+versions every namespace names (``software_identity``).
 
 Engines change their connector interfaces between releases (vLLM's ``KVConnectorBase_V1``,
 SGLang's ``HiCacheStorage``), so each adapter checks the running engine once at start-up and says
@@ -55,3 +56,24 @@ def check_engine_version(engine: str, version: str | None = None) -> bool:
         engine, version or "(version unknown)", engine, tested, INSTALL[engine],
     )
     return False
+
+
+def software_identity(engine: str, engine_version: str | None, group: str | None) -> str:
+    """What a namespace says of the software that computes the KV: the engine's release (its full
+    version string, a build's local tag included), torch's and transformers'. A new release of any
+    of them can change the KV a prompt gives (model code, a rotary fix, a kernel's packing), so by
+    default each combination has namespaces of its own: an upgrade starts on a cold shared tier.
+    ``group`` (``namespace.version_group``) stands in for all three: instances whose operator named
+    the same group share blocks across releases known to give the same KV."""
+    if group:
+        return f"group:{group}"
+    return ";".join(f"{name}={version or 'unknown'}" for name, version in (
+        (engine, engine_version or installed(engine)), ("torch", _version("torch")),
+        ("transformers", _version("transformers"))))
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None

@@ -29,8 +29,7 @@ DESCRIPTION = ("kvstrata: a tiered KV-cache store for vLLM and SGLang. Inspect, 
 _POLL_S = 0.1  # progress updates while L2 is counted
 JSON_HELP = "print one JSON object instead of tables (for scripts; keys are kept across versions)"
 # Subcommands a tool module implements whole: ``add_arguments(parser)`` and ``run(args) -> exit code``.
-TOOLS = {"bench decode": "kvstrata.tools.bench.decode",
-         "bench identity": "kvstrata.tools.bench.identity", "bench copy": "kvstrata.tools.bench.copy",
+TOOLS = {"bench identity": "kvstrata.tools.bench.identity", "bench copy": "kvstrata.tools.bench.copy",
          "bench verify": "kvstrata.tools.bench.verify",
          "estimate": "kvstrata.tools.estimate",
          "torture": "kvstrata.tools.torture"}
@@ -287,7 +286,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                   "with the tier, about 400 bytes per block on the disk tier (the index's ~200, plus the "
                   "scan's; 390 MB measured at 1M blocks). "
                   "`kvstrata check` streams instead, in a memory that does not grow with the tier.")
-    benches = add(sub, "bench", "benchmarks: store, copy, decode, identity, verify (the comparative ones: python -m benchmarks)")
+    benches = add(sub, "bench", "benchmarks: store, copy, identity, verify (the comparative ones: python -m benchmarks)")
     bench = benches.add_subparsers(dest="sub", required=True)
     bs = add(bench, "bench store", "store micro-benchmark against raw baselines")
     bs.add_argument("--quick", action="store_true", help="finish in under 30 s")
@@ -298,7 +297,6 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                              "checking every served block"))
     rp.add_argument("--conversations", type=int, default=40, help="conversations to replay (default 40)")
     add(bench, "bench copy", "block copies between the KV cache and L1 beside one contiguous copy (CUDA or CPU)")
-    add(bench, "bench decode", "decode throughput with a slow disk tier, beside no connector")
     add(bench, "bench identity", "model identity cost at start: cold and cached")
     add(bench, "bench verify", "calibrate verified hits: honest recomputations beside other prompts, weights, layers")
     sm = add(sub, "simulate", "capacity planning: a trace through the real index and LRU")

@@ -37,6 +37,12 @@ RENAMED = {
     "remote.allow_stale_generation": "remote.allow_stale_epoch",
 }
 """Old key path -> new one: a config that still uses the old name is told the new one."""
+REMOVED = {
+    "testing": "test-only settings (a narrower index key, a slow disk, a planted identity hole) are not "
+               "configuration: no deployment needs them, and a hole in the keys must not be one YAML line "
+               "away. kvstrata's tests plant them in their own processes (tests/harness/trials.py)",
+}
+"""Key path -> why it is gone: a config that names it is refused with the reason."""
 
 
 class _Refused(yaml.YAMLError):
@@ -217,7 +223,9 @@ def explain(source: str, err: ValidationError) -> str:
     for e in errors[:MAX_ERRORS]:
         where = ".".join(p if isinstance(p, str) and len(p) <= SHOWN_CHARS else shown(p)
                          for p in e["loc"]) or "<top level>"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and where in REMOVED:
+            lines.append(f"{source}: {_named(where, e['input'])}: removed: {REMOVED[where]}")
+        elif e["type"] == "extra_forbidden":
             renamed = RENAMED.get(where)
             lines.append(f"{source}: {where}: " + (f"renamed to {renamed}" if renamed else "unknown key"))
         else:
@@ -226,3 +234,11 @@ def explain(source: str, err: ValidationError) -> str:
     if len(errors) > MAX_ERRORS:
         lines.append(f"{source}: ... and {len(errors) - MAX_ERRORS} more")
     return "invalid kvstrata config:\n  " + "\n  ".join(lines)
+
+
+def _named(where: str, value: Any) -> str:
+    """``where`` and the keys given under it: ``testing.identity_hole = 'lora_version'``."""
+    if not isinstance(value, Mapping) or not value:
+        return f"{where} = {shown(value)}"
+    return ", ".join(f"{where}.{shown(k) if not isinstance(k, str) else k[:SHOWN_CHARS]} = {shown(v)}"
+                     for k, v in list(value.items())[:MAX_ERRORS])

@@ -57,6 +57,18 @@ class NamespaceConfig(_Model):
     """Explicit weights version. Default: a fingerprint of the model folder's config and files."""
     tenant: str = ""
     """Salt that separates tenants: blocks are never shared across different values."""
+    version_group: str | None = None
+    """A name for a set of software releases known to give the same KV. Default (unset): the
+    engine's release, torch's and transformers' are in the namespace, so an upgrade of any of them
+    starts on a cold shared tier. Set: this name stands in for them, and instances of any release
+    with the same name share blocks (name another group when a release changes the KV)."""
+
+    @field_validator("version_group")
+    @classmethod
+    def _group_name(cls, v: str | None) -> str | None:
+        if v is not None and not (0 < len(v) <= 128 and v.isprintable()):
+            raise ValueError("expected a name of 1 to 128 printable characters")
+        return v
 
 
 class L1Config(_Model):
@@ -238,19 +250,6 @@ class VerifyConfig(_Model):
         return v
 
 
-class TestingConfig(_Model):
-    """The ``testing:`` section: settings that exist for kvstrata's own tests and benchmarks."""
-
-    key_bits: int = Field(128, ge=8, le=128, multiple_of=8)
-    """Index key width. Test-only: below 128 it forces collisions that validation must reject."""
-    l2_write_delay_ms: float = Field(0.0, ge=0)
-    """Test-only: sleep this long in every disk write, to show that a slow disk never stalls."""
-    identity_hole: Literal["", "lora_version"] = ""
-    """Test-only: ``lora_version`` leaves a LoRA adapter's content version out of vLLM's keys (the
-    keying before adapters were keyed by content), a hole that serves wrong KV for an adapter
-    rewritten under its name and path: the verified-hits tests plant it. Never set it in production."""
-
-
 class KeysConfig(_Model):
     """The ``keys:`` section: how block keys are computed (``kvstrata.keys``)."""
 
@@ -331,7 +330,6 @@ class StrataConfig(_Model):
     dropped, its process ended), never a deadline that could run out under an engine's copy."""
     verify: VerifyConfig = VerifyConfig()
     tenants: TenantsConfig = TenantsConfig()
-    testing: TestingConfig = TestingConfig()
 
     @model_validator(mode="after")
     def _remote_shares(self) -> "StrataConfig":

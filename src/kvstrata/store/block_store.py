@@ -63,12 +63,14 @@ class BlockStore(KeyMethods):
     namespace it is given is taken under that scheme (``scopes.Scopes``)."""
 
     def __init__(self, config: StrataConfig | None = None, *, l1_slot_bytes: int = 0,
-                 l1_shared_path: str | None = None) -> None:
+                 l1_shared_path: str | None = None, key_bits: int = 128) -> None:
         """``l1_shared_path`` puts the L1 arena in a file other local processes can map (the
         engine's workers copy KV in and out of it); ``l1_slot_bytes`` fixes the slot size now
-        instead of at the first save."""
+        instead of at the first save. ``key_bits``: the index's key width, 128 in every
+        deployment (no setting reaches it); narrower only where a test or ``kvstrata torture``
+        forces index collisions, which validation must reject."""
         self.config = config or StrataConfig()
-        self._parts = open_parts(self.config, l1_slot_bytes, l1_shared_path)
+        self._parts = open_parts(self.config, l1_slot_bytes, l1_shared_path, key_bits)
         self._evictor = Evictor(self._parts)
         self._writer = Writer(self._parts, self._evictor)
         self._lookups = Lookup(self._parts)

@@ -59,13 +59,13 @@ class Parts:
         return self.l2 is not None and self.config.l2.write == "through"
 
 
-def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | None) -> Parts:
+def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | None, key_bits: int = 128) -> Parts:
     if l1_slot_bytes:
         check_fits_one_block(config, l1_slot_bytes)
     keys = open_keys(config)
     counters = Counters()
     tenants, shares = TenantMap(), tier_shares(config.tenants.shares)
-    index = BlockIndex(key_bits=config.testing.key_bits, lease_s=config.lease_seconds)
+    index = BlockIndex(key_bits=key_bits, lease_s=config.lease_seconds)
     l1 = MemoryTier(counters, config.l1.size, l1_slot_bytes, config.l1.pin_memory, l1_shared_path)
     backing: list[BlockTier] = []
     l2: DiskTier | None = None
@@ -84,8 +84,7 @@ def open_parts(config: StrataConfig, l1_slot_bytes: int, l1_shared_path: str | N
                               f"remote.auth_key_file (a file holding it) or ${AUTH_ENV}")
     if config.l2.enabled:
         l2_auth = auth if l2_keyed else None
-        l2 = DiskTier(counters, config.l2.path, config.l2.size, config.l2.fsync,
-                      config.testing.l2_write_delay_ms / 1000, auth=l2_auth,
+        l2 = DiskTier(counters, config.l2.path, config.l2.size, config.l2.fsync, auth=l2_auth,
                       seal=Seal(auth) if auth is not None and config.l2.encrypt else None)
         backing.append(l2)
         epochs = FileEpochs(config.l2.path / "epochs", auth=l2_auth, counters=counters, counter_prefix="l2")

@@ -80,13 +80,12 @@ class DiskTier(BlockTier):
     open_mode_bits = 0o022  # an existing root writable by these bits gets a warning (others can plant blocks)
 
     def __init__(self, counters: Counters, root: Path, capacity: int, fsync: bool = False,
-                 delay_s: float = 0.0, auth: Auth | None = None, seal: Seal | None = None) -> None:
+                 auth: Auth | None = None, seal: Seal | None = None) -> None:
         super().__init__(counters)
         assert seal is None or auth is not None, "a sealed tier is an authenticated one"
         self.auth = auth
         self.seal = seal
         self._domain = self.name.encode()  # a block's MAC is bound to its tier
-        self._delay_s = delay_s  # test-only slow disk (testing.l2_write_delay_ms)
         self.root = Path(root)
         self._capacity = capacity
         self._fsync = fsync
@@ -154,8 +153,6 @@ class DiskTier(BlockTier):
             self.counters.inc(f"{self.name}_no_room")
             return False
         tmp = f"{self._prefix}{h[:2]}/{temp_name(h, os.getpid(), next(self._seq))}"
-        if self._delay_s:
-            time.sleep(self._delay_s)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self._file_mode)
             try:

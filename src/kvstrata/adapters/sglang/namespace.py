@@ -2,7 +2,9 @@
 
 Owns kvstrata's part of SGLang's extra config (``load_strata_config``: the keys that belong to
 SGLang are left out), SGLang page keys as bytes (``digests_of``) and the namespace (model and weights version, dtype,
-pool layout, page size, ranks, interface, and the server's resolved model settings: ``model_settings``).
+pool layout, page size, ranks, interface, the server's resolved model settings: ``model_settings``,
+the software releases: ``versions.software_identity``, and the attention backends the server
+resolved: ``attention_backends``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvstrata.identity import model_identity, resolve_model_version
 from kvstrata.keys import Namespace
 
 from kvstrata.adapters.model_settings import canonical, fields_of, hf_config_dict, settings_digest
+from kvstrata.adapters.versions import software_identity
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -197,6 +200,19 @@ def _file_content(path: str) -> str:
         return f"unreadable:{path}"
 
 
+def attention_backends() -> str:
+    """The (prefill, decode) attention backends the server resolved (``runtime_context``: its
+    ``exec.kernel`` leaves, where SGLang resolves ``--attention-backend`` and the split pair), or
+    ``unpublished`` outside a server (an in-process backend)."""
+    try:
+        from sglang.srt.runtime_context import attention_backends as resolved
+
+        prefill, decode = resolved()
+    except (ImportError, ValueError, AttributeError, RuntimeError, TypeError):
+        return "unpublished"
+    return f"prefill={prefill},decode={decode}"
+
+
 def namespace_for(config: "HiCacheStorageConfig", cfg: StrataConfig, rows: "PageRows", v1: bool) -> Namespace:
     """``v1``: the zero-copy interface (its pages are keyed apart from the flat-page interface's)."""
     model = config.model_name or ""
@@ -219,5 +235,16 @@ def namespace_for(config: "HiCacheStorageConfig", cfg: StrataConfig, rows: "Page
         key_scheme=cfg.keys.hash,
         extra={"pp": f"{config.pp_rank}/{config.pp_size}",
                "cp": f"{config.attn_cp_rank}/{config.attn_cp_size}",
-               "interface": "v1" if v1 else "flat", **extra},
+               "interface": "v1" if v1 else "flat", **extra,
+               "software": software_identity("sglang", _sglang_version(), cfg.namespace.version_group),
+               "attention": attention_backends()},
     )
+
+
+def _sglang_version() -> str | None:
+    try:
+        import sglang
+
+        return getattr(sglang, "__version__", None)
+    except ImportError:
+        return None

@@ -14,6 +14,7 @@ import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -30,6 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.adapters.logs import follow_engine_logging
 from kvstrata.adapters.versions import check_engine_version
+from kvstrata.adapters.vllm.backends import report, reported
 from kvstrata.adapters.vllm.metadata import StrataMetadata, StrataStats
 from kvstrata.adapters.vllm.metrics import StrataPromMetrics
 from kvstrata.adapters.vllm.scheduler import SchedulerSide
@@ -112,6 +114,16 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         return self._sched.reset_cache() if self._sched is not None else None
+
+    # the attention backends each worker chose, for the namespace (backends.py)
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return report(self._vllm_config) if self._worker is not None else None
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+                                             ) -> None:
+        """Every worker's report, by (pp rank, tp rank): every stage's, since a block holds every stage's layers."""
+        if self._sched is not None:
+            self._sched.bind_backends(reported(metadata))
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
         return self._sched.take_events() if self._sched is not None else ()

@@ -10,7 +10,10 @@ scheduler marks ``fail`` (vLLM allocated other positions than the hit needs) or 
 Saves, in the step that computes the blocks: full and window groups copy the blocks the step
 completes that vLLM keeps (never its null block), SSM groups the states vLLM hands over in
 ``boundary_state_offloads`` (the exact blocks: their positions in the table move). No partial
-tails: an SSM state exists only at block boundaries.
+tails: an SSM state exists only at block boundaries. With an EAGLE-style drafter every group's
+blocks are keyed on the tokens after them (``drafts.py``): a block waits for those and is left out
+where its draft KV may be of another token, as on a dense model, and a state handed over before
+those tokens are known (at the last known token) is not stored.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from kvstrata.keys import BlockChain, Namespace
 from kvstrata.store import GroupHit, GroupRule, StoreProtocol
 
+from kvstrata.adapters.vllm.drafts import DraftInputs
 from kvstrata.adapters.vllm.groups import GroupLayout, destinations, real_positions
 from kvstrata.adapters.vllm.pending import Ops, Pending
 from kvstrata.adapters.vllm.roles import Role
@@ -129,7 +133,12 @@ class HybridPlans:
         req = st.request
         after = min(req.num_computed_tokens + scheduled, req.num_tokens)
         full = after // self.bs
-        states = [(g, b, n) for g, b, n in self._states(scheduler_output, req_id) if n % self.bs == 0 and 0 < n <= after]
+        drafts = st.extra if isinstance(st.extra, DraftInputs) else None
+        if drafts is not None:  # keyed on the tokens after them: not before those are known
+            drafts.note_step(after)
+            full = min(full, drafts.known_blocks())
+        states = [(g, b, n) for g, b, n in self._states(scheduler_output, req_id)
+                  if n % self.bs == 0 and 0 < n <= full * self.bs]
         if full <= st.saved_full and not states:
             return
         tokens = np.asarray(req.all_token_ids[: full * self.bs], dtype=np.uint32)
@@ -147,6 +156,8 @@ class HybridPlans:
                         ids.append(block_id)
             else:
                 idx = real_positions(table[g], st.saved_full, full).tolist()
+                if drafts is not None:
+                    idx = [i for i in idx if drafts.stores(i, st.local)]
                 ids = [table[g][i] for i in idx]
             if idx:
                 self._save(req_id, epoch, chain.pick(idx), ids, g)

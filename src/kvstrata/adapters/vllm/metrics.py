@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from kvstrata.metrics import Figures, bind_series, feed_series, make_series
 
 from kvstrata.adapters.figures import FigureCollector
+from kvstrata.adapters.vllm.mm_items import unhashed_items
 from kvstrata.adapters.vllm.metadata import StrataStats
 
 if TYPE_CHECKING:
@@ -32,13 +33,20 @@ if TYPE_CHECKING:
 
 class StatsCollector:
     """The scheduler side's report: what changed in the store since the last call
-    (``kvstrata.adapters.figures.FigureCollector``, shared with the SGLang adapter)."""
+    (``kvstrata.adapters.figures.FigureCollector``, shared with the SGLang adapter), and the
+    multimodal items this process could not key by content (``mm_items.unhashed_items``)."""
 
     def __init__(self, store: "StoreProtocol") -> None:
         self._figures = FigureCollector(store)
+        self._unkeyed = 0
 
     def collect(self) -> StrataStats | None:
         figures = self._figures.collect()
+        unkeyed = unhashed_items() - self._unkeyed
+        if unkeyed:
+            self._unkeyed += unkeyed
+            figures = figures or Figures({}, {}, {})
+            figures = figures._replace(counters={**figures.counters, "mm_items_unkeyed": unkeyed})
         return None if figures is None else StrataStats(figures._asdict())
 
 

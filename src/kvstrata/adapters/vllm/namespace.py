@@ -1,8 +1,10 @@
 """What a vLLM engine's blocks are keyed on, and where its L1 arena lives.
 
 Owns the namespace derivation (model and weights version, KV dtype, device layout, block size,
-parallel group, a speculative draft whose layers keep KV in the blocks: ``draft_identity``, the
-resolved model settings: ``model_settings``),
+parallel group and layout: ``parallel_layout``, a speculative draft whose layers keep KV in the
+blocks: ``draft_identity``, the resolved model settings: ``model_settings``, the software
+releases: ``versions.software_identity``, and the attention backends the workers report:
+``with_backends``),
 whether a block is stored once for every tensor-parallel rank (``latent_shared``: MLA), and the arena's name in
 ``/dev/shm`` (``KVSTRATA_SHM_DIR``) with the clean-up of arenas whose engine died.
 """
@@ -12,9 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+import vllm
 
 from kvstrata.config import StrataConfig
 from kvstrata.identity import resolve_model_version
@@ -22,6 +26,7 @@ from kvstrata.keys import Namespace
 from kvstrata.worker.arena import remove_dead_arenas
 
 from kvstrata.adapters.model_settings import fields_of, hf_config_dict, settings_digest
+from kvstrata.adapters.versions import software_identity
 from kvstrata.adapters.vllm.groups import group_layouts
 
 if TYPE_CHECKING:
@@ -174,7 +179,51 @@ def model_settings(vllm_config: "VllmConfig") -> dict:
     return settings
 
 
+# Parallel layouts that change which tokens a block holds, refused with the reason: kvstrata block i
+# is tokens [i * block_size, (i + 1) * block_size) of a request on every rank.
+UNSUPPORTED_PARALLEL: dict[str, str] = {
+    "decode_context_parallel_size": "decode context parallelism (DCP) spreads a block's tokens over the ranks "
+                                    "(a scheduler block holds block_size x DCP tokens, each rank a strided share)",
+    "prefill_context_parallel_size": "prefill context parallelism (PCP) spreads a request's tokens over the ranks "
+                                     "(each rank holds other positions of a block)",
+}
+
+
+def parallel_layout(vllm_config: "VllmConfig") -> dict[str, str]:
+    """Every parallel size that changes what a block of this engine holds, for the namespace:
+    tensor parallelism (a slot holds every rank's shard: ``Namespace.world_size``), pipeline
+    parallelism (every stage's layers), and the context-parallel sizes, which must be 1. Data and
+    expert parallelism do not change what a block holds: a data-parallel rank is an engine of its
+    own, and experts are weights, not KV.
+
+    Raises ``ValueError`` naming the setting, its value and the reason for a layout kvstrata does
+    not support (``UNSUPPORTED_PARALLEL``): the engine does not start with it."""
+    par = vllm_config.parallel_config
+    for name, why in UNSUPPORTED_PARALLEL.items():
+        size = getattr(par, name, 1) or 1
+        if size > 1:
+            raise ValueError(f"kvstrata: {name}={size} is not supported: {why}, while kvstrata stores block i as "
+                             f"tokens [i*block_size, (i+1)*block_size) of the request on every rank. Run without "
+                             f"it, or without kvstrata's connector")
+    return {"pp": str(par.pipeline_parallel_size),
+            "cp": f"dcp={getattr(par, 'decode_context_parallel_size', 1)},pcp={getattr(par, 'prefill_context_parallel_size', 1)}"}
+
+
+UNREPORTED = "unreported"  # the attention backends before the workers report them (``with_backends``)
+
+
+def with_backends(ns: Namespace, backends: Sequence[str] | None) -> Namespace:
+    """``ns`` naming the attention backends the workers reported (``backends.reported``). None (no
+    worker reported: a vLLM that does not hand the workers' reports to the scheduler) gives a
+    random name: the blocks are kept for this process only, never shared under a guessed backend."""
+    named = ",".join(backends) if backends is not None else f"{UNREPORTED}:{uuid.uuid4().hex}"
+    return replace(ns, extra={**ns.extra, "attention": named})
+
+
 def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: StrataConfig) -> Namespace:
+    """The engine's namespace, its attention backends ``UNREPORTED`` until the workers report them
+    (``with_backends``). Raises ``ValueError`` for a parallel layout kvstrata refuses."""
+    parallel = parallel_layout(vllm_config)
     model = vllm_config.model_config
     version = resolve_model_version(cfg.namespace.model_version, model.model, model.revision,
                                     hub_cache=vllm_config.load_config.download_dir)
@@ -204,7 +253,9 @@ def namespace_for(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", c
         world_size=1 if shared else par.tensor_parallel_size,
         tenant=cfg.namespace.tenant,
         key_scheme=cfg.keys.hash,
-        extra={"pp": str(par.pipeline_parallel_size), "model_config": settings, **draft_identity(vllm_config)},
+        extra={**parallel, "model_config": settings, **draft_identity(vllm_config),
+               "software": software_identity("vllm", getattr(vllm, "__version__", None), cfg.namespace.version_group),
+               "attention": UNREPORTED},
     )
 
 

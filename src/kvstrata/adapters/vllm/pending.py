@@ -3,7 +3,8 @@ which requests are served from kvstrata and stored in it (``Admission``), and th
 steps (``Ops``).
 
 A request is served only if its keys can be made (``request_keys``: its LoRA adapter's files are
-the ones the engine loaded), and its blocks are stored only while they cannot be of other weights
+the ones the engine loaded; with an EAGLE-style drafter its full blocks are keyed on the tokens
+after them too: ``drafts.py``), and its blocks are stored only while they cannot be of other weights
 than this instance's: not if it was running at this instance's last reset, or if its local prefix
 hit came from vLLM's own cache from before that reset (``resets.LocalCacheGuard``), and not once
 its LoRA adapter's files changed after it was keyed.
@@ -30,6 +31,7 @@ from kvstrata.adapter_versions import AdapterVersions
 from kvstrata.keys import NO_EXTRA, Extra
 from kvstrata.store import GroupHit, Hit, Reservation, Segment, StoreProtocol
 
+from kvstrata.adapters.vllm.drafts import draft_inputs
 from kvstrata.adapters.vllm.metadata import CopyOp
 from kvstrata.adapters.vllm.request_keys import adapter_unchanged, request_keys
 from kvstrata.adapters.vllm.resets import LocalCacheGuard
@@ -81,9 +83,10 @@ class Pending:
 class Admission:
     """Which requests are served and stored (see the module docstring)."""
 
-    def __init__(self, sample_rate: float = 0.0, identity_hole: str = "") -> None:
+    def __init__(self, sample_rate: float = 0.0, draft_lookahead: int = 0, block_size: int = 0) -> None:
         self.sample_rate = sample_rate  # verify.sample_rate
-        self.lora_version = identity_hole != "lora_version"  # testing.identity_hole (test-only)
+        self.draft_lookahead = draft_lookahead  # tokens after a position its draft KV depends on (``drafts.py``)
+        self.block_size = block_size
         self._sampler = random.Random()
         self.adapters = AdapterVersions()  # LoRA adapters by content, as this engine loaded them
         self.guard = LocalCacheGuard()  # vLLM's own cached blocks from before this instance's last reset
@@ -97,11 +100,12 @@ class Admission:
     def admit(self, request: "Request") -> Pending:
         """A new request's state: its keys (``request_keys``), or none when they cannot be made
         (its LoRA adapter changed under the engine): then it is neither served nor stored."""
-        keys = request_keys(request, self.adapters, lora_version=self.lora_version)
+        keys = request_keys(request, self.adapters)
         if keys is None:
             return Pending(request, np.zeros(0, np.uint32), NO_EXTRA, served=False, saves=False)
         verify = self.sample_rate > 0 and self._sampler.random() < self.sample_rate
-        return Pending(request, keys.tokens, keys.extra, keys.adapter, verify=verify)
+        extra = draft_inputs(request, keys.extra, self.block_size, self.draft_lookahead)  # EAGLE: the next token too
+        return Pending(request, keys.tokens, extra, keys.adapter, verify=verify)
 
     def may_save(self, st: Pending, req_id: str, kv_cache_manager: Any, block_size: int) -> bool:
         """Whether the blocks of ``st`` may be stored now (see the module docstring)."""

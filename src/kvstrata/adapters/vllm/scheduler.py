@@ -41,12 +41,13 @@ from kvstrata.config import load_engine_config
 from kvstrata.keys import BlockChain
 from kvstrata.store import StoreProtocol, open_store
 
+from kvstrata.adapters.vllm.drafts import DraftInputs, draft_lookahead
 from kvstrata.adapters.vllm.events import KVEvents
 from kvstrata.adapters.vllm.groups import grouped_layouts
 from kvstrata.adapters.vllm.hybrid import HybridPlans
 from kvstrata.adapters.vllm.metadata import ArenaSpec, StrataMetadata, StrataStats, StrataWorkerMetadata
 from kvstrata.adapters.vllm.metrics import StatsCollector
-from kvstrata.adapters.vllm.namespace import namespace_for, new_arena_path
+from kvstrata.adapters.vllm.namespace import namespace_for, new_arena_path, with_backends
 from kvstrata.adapters.vllm.pending import Admission, Ops, Pending
 from kvstrata.adapters.vllm.roles import make_role
 from kvstrata.adapters.vllm.slots import slot_plan
@@ -84,7 +85,7 @@ class SchedulerSide:
         plan = slot_plan(vllm_config, kv_cache_config, layouts)
         path = new_arena_path()
         self.store: StoreProtocol = open_store(cfg, l1_slot_bytes=plan.slot_bytes, l1_shared_path=path)
-        self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
+        self._bound = False  # the namespace names the workers' attention backends (``bind_backends``)
         atexit.register(self.store.arena.unlink)  # unlink the arena even if vLLM never calls shutdown
         self.arena = ArenaSpec(path, self.store.arena.num_slots, plan.slot_bytes, plan.rank_bytes,
                                [g.layer_names for g in layouts] if layouts else None, plan.shared, plan.stage_bytes)
@@ -92,7 +93,8 @@ class SchedulerSide:
         self._attached: set[int] = set()  # worker ranks that mapped the arena
         self._reqs: dict[str, Pending] = {}
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
-        self._admission = Admission(cfg.verify.sample_rate, cfg.testing.identity_hole)  # served, stored, verified
+        self._admission = Admission(cfg.verify.sample_rate, draft_lookahead(vllm_config),  # served, stored, verified
+                                    self.block_size)
         self.stats = StatsCollector(self.store)
         self.role = make_role(vllm_config, cfg, self.store)  # P/D: producer, consumer or both
         self._ops = Ops(self.store, self.role, plan.ranks, plan.writers, plan.segments)  # the step's copies and those in flight
@@ -114,8 +116,25 @@ class SchedulerSide:
                  vllm_config.kv_transfer_config.kv_role,
                  self.arena.num_slots, plan.slot_bytes, path, "; MLA: one copy for every rank" if plan.shared else "")
 
+    # -- the namespace's last part
+    def bind_backends(self, backends: tuple[str, ...] | None) -> None:
+        """The attention backends the workers report (``backends.reported``; None: none reported)
+        enter the namespace, before the engine serves: vLLM hands the reports over in its start-up."""
+        self.ns = with_backends(self.ns, backends)
+        self._verifies.ns = self.ns
+        if self._hybrid is not None:
+            self._hybrid.ns = self.ns
+        self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
+        self._bound = True
+        if backends is None:
+            log.warning("kvstrata: the workers reported no attention backend; this engine's blocks are kept for "
+                        "this process only (namespace %s)", self.ns.id)
+        log.info("kvstrata: namespace %s, attention backends %s", self.ns.id, self.ns.extra["attention"])
+
     # -- lookup
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._bound:
+            self.bind_backends(None)
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = self._admission.admit(request)
@@ -204,6 +223,10 @@ class SchedulerSide:
         Called before the scheduler advances ``num_computed_tokens``. Tokens whose ids are not
         known yet (speculative drafts) are never saved. The prompt's partial tail is saved in the
         step that finishes the prompt, so a repeated prompt recomputes only its last token.
+
+        With an EAGLE-style drafter a full block is keyed on the token after it (``drafts.py``): one
+        that ends at the last known token waits for a later step (its KV stays in vLLM's blocks; a
+        request that finishes first leaves it unsaved), and some are never saved (``stores``).
         """
         req = st.request
         before = req.num_computed_tokens
@@ -212,6 +235,11 @@ class SchedulerSide:
         full = after // bs
         prompt_len = req.num_prompt_tokens
         tail = bool(prompt_len % bs) and before < prompt_len <= after and not st.tail_saved
+        drafts = st.extra if isinstance(st.extra, DraftInputs) else None
+        if drafts is not None:
+            drafts.note_step(after)
+            full = min(full, drafts.known_blocks())
+            tail = tail and drafts.keeps_tails and drafts.stores(prompt_len // bs, st.local)
         if full <= st.saved_full and not tail:
             return
         tokens = np.asarray(req.all_token_ids[: max(full * bs, prompt_len if tail else 0)], dtype=np.uint32)
@@ -219,7 +247,9 @@ class SchedulerSide:
         if self.events is not None and full > st.saved_full:
             self.events.learn(chain.keys[st.saved_full : full], req.block_hashes, st.saved_full, tokens)
         where = list(range(st.saved_full, full))  # engine block index of each planned block
-        todo = BlockChain(*(part[st.saved_full : full] for part in chain))
+        if drafts is not None:
+            where = [i for i in where if drafts.stores(i, st.local)]
+        todo = chain.pick(where)
         if tail:
             n_prompt_full = prompt_len // bs
             last = self.store.tail_block(self.ns, epoch, chain.keys[n_prompt_full - 1] if n_prompt_full else None,
@@ -284,6 +314,8 @@ class SchedulerSide:
         afterwards: not the rest of the requests running now, and not what vLLM's own prefix cache
         still serves from before (its reset fails while requests hold blocks:
         ``resets.LocalCacheGuard``)."""
+        if not self._bound:
+            self.bind_backends(None)
         self._admission.reset(self._reqs.values(), self.kv_cache_manager)
         # An engine reset, not an operator's flush: the other instances sharing the store serve and
         # save nothing of the namespace until they reset too (epochs/joins.py); the store logs either way.

@@ -17,17 +17,11 @@ layers: a slot holds one block of one group, and an op names its group. Its load
 asynchronous: vLLM waits for the request, which is reported through ``get_transfer_results``,
 finished, or finished and failed (vLLM then recomputes the whole request).
 
-Test-only switch: ``$KVSTRATA_TEST_LOAD_DELAY_S`` (seconds, unset by default) makes each worker
-sleep that long in every step that has loads, after the scheduler pinned the slots and before
-the copy out of them, so that a test can make a copy outlast any lease
-(``tests/engines/test_vllm_pins.py``). Read once at start-up; unset, it costs one attribute test
-per step with loads. Never set it in production.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TEST_LOAD_DELAY_ENV = "KVSTRATA_TEST_LOAD_DELAY_S"  # test-only: see the module docstring
 
 
 class WorkerSide:
@@ -69,7 +62,6 @@ class WorkerSide:
         self._just_attached = False
         self._load_s: list[float] = []  # one sample per step with loads (the L1-to-KV-cache copy)
         self._bytes_read = 0  # this rank's bytes copied out of L1
-        self._test_load_delay = float(os.environ.get(TEST_LOAD_DELAY_ENV) or 0)  # test-only
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (get_pp_group, get_tensor_model_parallel_rank,
@@ -106,8 +98,6 @@ class WorkerSide:
             return
         self._prefault.ahead_of((max((max(op.slots) for op in meta.loads if op.slots), default=0) + 1)
                                 * meta.arena.slot_bytes)
-        if self._test_load_delay:  # test-only: the copy below starts after any lease ran out
-            time.sleep(self._test_load_delay)
         started = time.perf_counter()
         for op in meta.loads:
             try:

@@ -4,7 +4,7 @@ stale KV; every block served is checked against an oracle the store cannot influ
 What runs. The parent starts ``--procs`` worker processes of ``--threads`` threads. Each opens a
 ``BlockStore`` on one shared L2 folder with tiny capacities (L1 12 blocks, L2 32 blocks of 512
 bytes, 4 tokens per block), plus the shared Redis tier with ``--redis``; odd-numbered workers key
-their index by 2 bytes (``testing.key_bits: 16``), so that different blocks share index entries.
+their index by 2 bytes (``BlockStore(config, key_bits=16)``), so that different blocks share index entries.
 Threads mix at random: saves (``save_now``, and queued ``save``) of prompts drawn from a seeded universe
 of 1-4 block prompts with partial tails, built so that prompts share prefixes and tails of equal
 length sit under one parent; lookups with ``pin=True`` then ``load_into`` then ``complete_load`` (as the
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     # invalidation_ms + confirm_margin_ms after the shared tier last confirmed it (none without it:
     # the epoch files are read at every lookup).
     grace_ms = args.grace_ms if args.grace_ms is not None else (
-        store_config(dict(base, l2=str(root / "l2")), 128).remote.staleness_bound_s * 1000 if args.redis else 0.0)
+        store_config(dict(base, l2=str(root / "l2"))).remote.staleness_bound_s * 1000 if args.redis else 0.0)
     base["grace_s"] = grace_ms / 1000
     proxy = None
     if args.net_faults:

@@ -68,8 +68,8 @@ class Worker:
         self.run_dir = Path(spec["run"])
         self.l2 = Path(spec["l2"])
         self.key_bits = 16 if spec["wid"] % 2 else 128
-        config = store_config(spec, self.key_bits)
-        self.store = BlockStore(config)
+        config = store_config(spec)
+        self.store = BlockStore(config, key_bits=self.key_bits)
         self.keys = open_keys(config)  # the oracle's own: keys recomputed from the config, not the store
         self.oracle = RetiredLog(self.run_dir / "retired.log", spec["grace_s"])
         self.tally = Tally(self.run_dir, spec["wid"], self.store)

@@ -58,7 +58,7 @@ def build_universe(seed: int, n: int = 240) -> list[np.ndarray]:
     return out
 
 
-def store_config(spec: dict[str, Any], key_bits: int) -> StrataConfig:
+def store_config(spec: dict[str, Any]) -> StrataConfig:
     """The tiny store every worker opens (``spec``: ``l2``, and ``redis``, ``prefix``,
     ``invalidation_ms`` for the shared tier)."""
     data: dict[str, Any] = {
@@ -66,7 +66,6 @@ def store_config(spec: dict[str, Any], key_bits: int) -> StrataConfig:
         "l2": {"path": spec["l2"], "size": L2_BLOCKS * (PAYLOAD_BYTES + HEADER_BYTES)},
         "saves": {"queue_blocks": 256},
         "lease_seconds": 30.0,
-        "testing": {"key_bits": key_bits},
     }
     if spec.get("redis"):
         # A short breaker backoff: with --net-faults the tier comes and goes every few seconds,

@@ -1,10 +1,12 @@
-"""``kvstrata bench decode``: saves never stall a step, measured as decode throughput.
+"""``python -m benchmarks decode``: saves never stall a step, measured as decode throughput.
 
 Two configurations of the same vLLM server, side by side in one run:
 
 - ``off``: no connector (vLLM's own prefix caching only);
 - ``strata``: kvstrata with a deliberately slow disk tier: every disk write sleeps
-  ``--write-delay-ms`` (``testing.l2_write_delay_ms``), so the disk cannot keep up with the saves.
+  ``--write-delay-ms``, so the disk cannot keep up with the saves. The delay is a test-only trial
+  (tests/harness/trials.py), planted into every process of the server through its environment
+  (``trials.environment``): no setting of kvstrata's can slow its disk.
 
 Each round sends the same fresh prompts (no prefix shared with any earlier request, so nothing is
 loaded and every block of every request is saved by ``strata``) at a fixed concurrency, greedy, with
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from kvstrata.tools.client import acomplete, session
 from kvstrata.tools.serving import Completion, Server, complete, free_port, strata_transfer_config, vllm_command
+from tests.harness.trials import environment
 
 log = logging.getLogger(__name__)
 CONFIGS = ("off", "strata")
@@ -92,12 +95,12 @@ def run(args: argparse.Namespace) -> int:
             kv = None
             if name == "strata":
                 cfg = work / f"strata-{r}.yaml"
-                cfg.write_text(f"l1:\n  size: 1GiB\nl2:\n  path: {work / f'l2-{r}'}\n"
-                               f"testing:\n  l2_write_delay_ms: {args.write_delay_ms}\n")
+                cfg.write_text(f"l1:\n  size: 1GiB\nl2:\n  path: {work / f'l2-{r}'}\n")
                 kv = strata_transfer_config(str(cfg))
             port = free_port()
             cmd = vllm_command(args.model, port, kv, block_size=args.block_size)
-            with Server(cmd, work / f"{name}-{r}.log", port) as server:
+            env = environment({"l2_write_delay_ms": args.write_delay_ms}) if name == "strata" else None
+            with Server(cmd, work / f"{name}-{r}.log", port, env=env) as server:
                 complete(server, args.model, prompts(1, args.prompt_tokens, seed=99)[0], max_tokens=4)  # warm-up
                 done, wall = run_batch(server, args.model, batch, args.concurrency, args.output_tokens)
                 if name == "strata":  # blocks on disk when the batch ended: the disk lagged behind
