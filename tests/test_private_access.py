@@ -29,6 +29,10 @@ ALLOWED = {
     # The CPU features vLLM's CPU attention kernels choose by, part of the namespace: torch tests
     # them only privately (``torch.backends.cpu.get_cpu_capability`` names the highest ISA alone).
     "vllm/namespace.py": {"torch.cpu._is_amx_tile_supported", "torch.cpu._is_avx512_supported"},
+    # How vLLM's CPU attention packs a block (its ISA, the kernel that writes the cache) decides which
+    # values of a block are which token's; vLLM chooses it with a private function only. Verified
+    # hits read a tail's tokens off that kernel (``tails.py``).
+    "vllm/tails.py": {"vllm.v1.attention.backends.cpu_attn._get_attn_isa"},
     # SGLang keeps the metric classes a stat logger was configured with (Ray's) on private class
     # attributes of its collector; read with getattr so that another SGLang version falls back.
     "sglang/metrics.py": {"collector._counter_cls", "collector._gauge_cls", "collector._histogram_cls"},

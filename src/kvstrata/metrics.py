@@ -107,6 +107,10 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("epoch_replays_refused", "counter", "Authenticated epoch values refused because their counter was "
               "below the highest this instance had seen (a value copied earlier and written back): each was replaced "
               "by a fresh epoch.", "epoch_replays_refused"),
+    MetricDef("epoch_values_expired", "counter", "Authenticated epoch values refused by an instance with no floor of "
+              "its own (a new container) because they were sealed more than remote.epoch_max_age_s ago (a value "
+              "written back, or every instance idle that long): each was replaced by a fresh epoch.",
+              "epoch_values_expired"),
     MetricDef("namespaces_not_joined", "gauge", "Namespaces this instance has not joined (reset by another instance "
               "since this one last reset): each serves and saves nothing here until this instance resets.",
               "namespaces_not_joined"),
@@ -123,6 +127,9 @@ METRICS: tuple[MetricDef, ...] = (
               "verify_mismatches_{tier}"),
     MetricDef("verify_error", "histogram", "The worst relative L2 error of a layer of each verified block (0: equal; "
               "about 1.4: unrelated KV).", "verify_error", _ERROR_BUCKETS),
+    MetricDef("verify_skipped", "counter", "Blocks of verified requests left uncompared: their comparison queue was "
+              "full (verify.queue_blocks; a slow or hung tier holds it up), or no tier's copy could be read.",
+              "verify_skipped"),
     MetricDef("mm_items_unkeyed", "counter", "Multimodal items whose content could not be hashed (their data "
               "not in the EngineCore: vLLM's shm processor cache): their blocks and every block after them are "
               "keyed apart, never shared (vLLM only).", "mm_items_unkeyed"),

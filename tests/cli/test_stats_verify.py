@@ -65,7 +65,7 @@ def verify_rounds(store: BlockStore, rounds: list[int | None]) -> list[bytes]:
             bad_keys.append(chain.keys[bad])
         for slot, row in zip(res.slots, computed):
             store.arena.data[slot, : row.numel()] = row
-        assert [r.ok for r in store.complete_verify(res, SEGMENTS)] == [i != bad for i in range(4)]
+        assert [r.ok for r in store.complete_verify(res, SEGMENTS, wait=True)] == [i != bad for i in range(4)]
     return bad_keys
 
 
@@ -150,5 +150,6 @@ def test_stats_in_the_engines_process_shows_its_quarantine(cfg):
         render(store.stats(), Console(file=out, width=240))
     lines = namespace_lines(out.getvalue(), NS.id)
     assert "4 blocks checked against the engine's own computation, 1 mismatch\n" in lines, lines
-    assert f"block {bad.hex()} from l1" in lines and "    quarantine this process serves none of it" in lines, lines
+    assert any(f"block {bad.hex()} from {tier}" in lines for tier in ("l1", "l2")), lines  # the copy read: at random
+    assert "    quarantine this process serves none of it" in lines, lines
     assert "quarantine" not in namespace_lines(kvstrata("stats", "--config", str(cfg)), NS.id)  # another process

@@ -158,3 +158,52 @@ def test_cli_config_check_exit_codes(tmp_path):
     res = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "config", "check", str(bad)],
                          capture_output=True, text=True)
     assert res.returncode != 0 and str(bad) in res.stderr and "l1.size" in res.stderr
+
+
+@pytest.mark.parametrize("name", ["Chat", "chat ", " chat", "team a", "team\tA", "équipe", "-a", ".a", "a/b",
+                                  "x" * 65, "*"])
+@pytest.mark.parametrize("where", ["namespace.tenant", "tenants.shares"])
+def test_a_tenant_name_has_one_spelling_else_it_is_refused(tmp_path, name, where):
+    """Scenario (issue 50): names that differ only by case or spaces would be two tenants (two
+    namespaces, two shares), so a tenant's name in ``namespace.tenant`` or ``tenants.shares`` is
+    lower case, without spaces (``TENANT_NAME``); any other spelling is refused at config read, the
+    message naming the key and the value, never merged into another tenant in silence."""
+    if where == "tenants.shares" and name == "*":
+        return  # there, "*" is the share of the tenants not named
+    value = name if where == "namespace.tenant" else {"l2": {name: 0.5}}
+    msg = error_of(None, {"l2.path": str(tmp_path / "l2"), where: value})
+    assert where in msg and f"tenant name {name!r}" in msg, msg
+
+
+@pytest.mark.parametrize("name", ["", "b", "default", "team-a.1_x", "0", "x" * 64])
+def test_a_tenant_name_of_one_spelling_is_kept_as_written(tmp_path, name):
+    """A name that was valid keeps its exact value, hence its namespace seed and its blocks."""
+    cfg = load_config(None, {"l2.path": str(tmp_path / "l2"), "namespace.tenant": name})
+    assert cfg.namespace.tenant == name
+    if name:
+        assert load_config(None, {"l2.path": str(tmp_path / "l2"),
+                                  "tenants.shares": {"l2": {name: 0.5}}}).tenants.shares == {"l2": {name: 0.5}}
+
+
+def test_the_star_share_counts_once_in_the_sum_that_must_fit_the_tier(tmp_path):
+    """``"*"`` is one share for all the tenants not named: with the named ones it must fit the
+    tier, fractions (at read) and sizes (against the tier's size) alike."""
+    path = write(tmp_path, f'l2:\n  path: {tmp_path}/l2\n  size: 1GiB\n'
+                           f'tenants:\n  shares:\n    l2: {{b: 40%, "*": 70%}}\n')
+    msg = error_of(path)
+    assert str(path) in msg and "tenants.shares" in msg and "('b': 0.4, '*': 0.7) add up to 1.1" in msg, msg
+    path = write(tmp_path, f'l2:\n  path: {tmp_path}/l2\n  size: 1GiB\n'
+                           f'tenants:\n  shares:\n    l2: {{b: 40%, "*": 700MiB}}\n')
+    msg = error_of(path)
+    assert "tenants.shares.l2: the shares ('b': 0.4, '*': 734003200 bytes) take 1163499929 bytes, more than the " \
+           "tier (l2.size: 1073741824 bytes)" in msg, msg
+    base = {"l2.path": str(tmp_path / "l2"), "l1.size": "1GiB"}
+    msg = error_of(None, {**base, "tenants.shares": {"l1": {"a": "512MiB", "*": "600MiB"}}})
+    assert "tenants.shares.l1" in msg and "l1.size: 1073741824 bytes" in msg, msg
+    msg = error_of(None, {**base, "remote.enabled": True, "remote.backend": "fs", "remote.path": str(tmp_path / "s"),
+                          "remote.size": "1GiB", "tenants.shares": {"remote": {"a": "2GiB"}}})
+    assert "tenants.shares.remote" in msg and "remote.size: 1073741824 bytes" in msg, msg
+    fits = load_config(None, {**base, "tenants.shares": {"l2": {"b": 0.6, "*": "40%"}, "l1": {"a": "512MiB", "*": 0.5}}})
+    assert fits.tenants.shares["l2"] == {"b": 0.6, "*": 0.4}
+    # a tier that is off holds nothing to share: its shares are not measured against its size
+    load_config(None, {**base, "l2.enabled": False, "l2.size": "1MiB", "tenants.shares": {"l2": {"a": "1GiB"}}})

@@ -8,12 +8,15 @@ One engine (the tiny dense model, in-process EngineCore, L1 and L2), in order:
 2. a planted block: another prompt's KV written through the store API under a victim's keys
    (valid checksums): the victim's request is answered as vLLM alone answers, every planted block
    is counted as a mismatch and deleted, and the next verification of the victim is clean;
-3. an identity hole: the weights change in the running engine (``reload_weights``, as an RL
+3. a planted partial tail: another prompt's tail KV under the victim's tail key (its full blocks
+   honest): the verified request compares the tail over its tokens, catches and deletes it, and a
+   lookup of the victim (what the next engine would load) finds its full blocks only;
+4. an identity hole: the weights change in the running engine (``reload_weights``, as an RL
    weight sync does) without the connector's reset (``reset_prefix_cache(reset_connector=False)``):
    the namespace is unchanged, so kvstrata holds old-weights KV under live keys. The verified
    request is answered as the new weights answer, the stale blocks are caught and deleted.
 
-With the default ``sample_rate`` (0.001) these engines would serve the wrong blocks of 2 and 3:
+With the default ``sample_rate`` (0.001) these engines would serve the wrong blocks of 2 to 4:
 the point is that the first one sampled is caught (the figures are in docs/consistency.md).
 """
 
@@ -29,6 +32,16 @@ pytestmark = pytest.mark.timeout(900)
 HONEST = [ids(700 + i, 2 * BS + 7) for i in range(104)]  # 104 prompts of 2 full blocks and a tail
 DONOR, VICTIM = ids(920, 6 * BS), ids(921, 6 * BS + 3)  # seeds apart from HONEST's: no shared prefix
 STALE = ids(922, 8 * BS)
+TAIL = BS - 5  # a planted partial tail: 27 of 32 tokens
+DONOR_T, VICTIM_T = ids(923, 2 * BS + TAIL), ids(924, 2 * BS + TAIL)
+VICTIM_PREFIX = VICTIM_T[: 2 * BS] + ids(925, 9)  # stores the victim's full blocks (honest), not its tail
+
+
+def plant_tail_steps() -> list[dict]:
+    """The victim's full blocks computed and stored honestly, the donor (with its tail) too, the
+    donor's tail planted under the victim's tail key, vLLM's own cache reset."""
+    return [gen(VICTIM_PREFIX), gen(DONOR_T), {"op": "plant", "donor": DONOR_T, "victim": VICTIM_T, "tail": True},
+            {"op": "sleep", "s": 1.0}, {"op": "reset", "connector": False}]
 
 
 def mismatches(c: dict) -> int:
@@ -51,7 +64,7 @@ def test_verified_hits_pass_honest_blocks_and_catch_planted_and_stale_ones(model
         (again,) = engine.run([{"op": "generate", "prompts": HONEST[::-1], "max_tokens": 4}])
         (after,) = engine.run([{"op": "counters"}])
         d = delta(after, before)
-        assert checks(d) == 2 * len(HONEST), d  # every full block of every prompt, computed by the engine again
+        assert checks(d) == 3 * len(HONEST), d  # every block and tail of every prompt, computed by the engine again
         assert mismatches(d) == 0, d
         assert again["cached"] == [0] * len(HONEST)  # a verified request loads nothing
         assert len(first["tokens"]) == len(HONEST)
@@ -73,12 +86,26 @@ def test_verified_hits_pass_honest_blocks_and_catch_planted_and_stale_ones(model
         (before,) = engine.run([{"op": "counters"}])
         (clean,) = engine.run([gen(VICTIM)])
         d = delta(engine.run([{"op": "counters"}])[0], before)
-        assert checks(d) == 6 and mismatches(d) == 0, d
+        assert checks(d) == 7 and mismatches(d) == 0, d  # its 6 blocks and its tail, as the engine computed them
         assert clean["tokens"] == baseline(VICTIM)
 
-        # 3. an identity hole: new weights, same namespace (no connector reset)
+        # 3. a planted partial tail
+        assert engine.run(plant_tail_steps())[2]["planted"] == 1
+        (planted,) = engine.run([{"op": "lookup", "prompt": VICTIM_T}])
+        (before,) = engine.run([{"op": "counters"}])
+        victim, own = engine.run([gen(VICTIM_T), gen(VICTIM_T, salt=salt())])  # own: keyed apart, computed
+        d = delta(engine.run([{"op": "counters"}])[0], before)
+        (left,) = engine.run([{"op": "lookup", "prompt": VICTIM_T}])
+        print(f"a planted tail: a lookup of the victim found {planted['tokens']} tokens before its verification "
+              f"and {left['tokens']} after; {d}")
+        assert planted["tokens"] == 2 * BS + TAIL  # the planted tail would be served
+        assert victim["cached"] == 0 and victim["tokens"] == own["tokens"]
+        assert mismatches(d) == 1 and checks(d) == 3 and d.get("verify_deleted_blocks") == 1, d
+        assert left["tokens"] == 2 * BS  # its full blocks; the tail is gone
+
+        # 4. an identity hole: new weights, same namespace (no connector reset)
         engine.run([gen(STALE), {"op": "sleep", "s": 1.0}])
-        engine.run([{"op": "reload_weights", "seed": 3, "scale": 0.5}, {"op": "reset", "connector": False}])
+        engine.run([{"op": "reload_weights", "seed": 3, "scale": 0.5, "unseen": True}, {"op": "reset", "connector": False}])
         (before,) = engine.run([{"op": "counters"}])
         stale, fresh = engine.run([gen(STALE), gen(STALE, salt=salt())])  # fresh: keyed apart, nothing stored
         d = delta(engine.run([{"op": "counters"}])[0], before)
@@ -89,7 +116,8 @@ def test_verified_hits_pass_honest_blocks_and_catch_planted_and_stale_ones(model
 
 def test_without_verification_the_planted_block_and_the_stale_weights_are_served(model, tmp_path, baseline):
     """The other side of the test above (``sample_rate: 0``): the same planted block and the same
-    unreset weight change are loaded and change the answers. What verification catches is real."""
+    unreset weight change are loaded and change the answers, and a planted tail is loaded. What
+    verification catches is real."""
     cfg = disk_config(tmp_path, verify="{sample_rate: 0}")
     with StepEngine(model, tmp_path, cfg, name="unverified") as engine:
         engine.run([gen(DONOR)])
@@ -97,9 +125,14 @@ def test_without_verification_the_planted_block_and_the_stale_weights_are_served
         (victim,) = engine.run([gen(VICTIM)])
         assert victim["cached"] >= 6 * BS - 1 and victim["tokens"] != baseline(VICTIM)
         engine.run([gen(STALE), {"op": "sleep", "s": 1.0}])
-        engine.run([{"op": "reload_weights", "seed": 3, "scale": 0.5}, {"op": "reset", "connector": False}])
+        engine.run([{"op": "reload_weights", "seed": 3, "scale": 0.5, "unseen": True}, {"op": "reset", "connector": False}])
         stale, fresh = engine.run([gen(STALE), gen(STALE, salt=salt())])
         assert stale["cached"] >= 8 * BS - 1 and stale["tokens"] != fresh["tokens"]
+        assert engine.run(plant_tail_steps())[2]["planted"] == 1
+        victim, own = engine.run([gen(VICTIM_T), gen(VICTIM_T, salt=salt())])
+        print(f"unverified, a planted tail: {victim['cached']} tokens loaded, {TAIL - 1} of them the donor's; the "
+              f"answer {'differs from' if victim['tokens'] != own['tokens'] else 'equals'} the engine's own")
+        assert victim["cached"] == 2 * BS + TAIL - 1  # all but the last prompt token: the donor's tail loaded
         assert not checks(engine.run([{"op": "counters"}])[0])
 
 
@@ -160,7 +193,8 @@ def test_a_planted_identity_hole_is_caught_and_answered_as_vllm_alone(model, tmp
         d = delta(engine.run([{"op": "counters"}])[0], before)
     assert ref["tokens"] != old["tokens"]  # the rewritten adapter answers otherwise: its old KV would show
     assert new["tokens"] == ref["tokens"] and new["cached"] == 0
-    assert mismatches(d) == len(PROMPT) // BS and checks(d) == len(PROMPT) // BS, d
+    blocks = -(-len(PROMPT) // BS)  # 12 full blocks and the 16-token tail
+    assert mismatches(d) == blocks and checks(d) == blocks, d
 
 
 def test_honest_traffic_with_an_eagle_head_verifies_clean(model, tmp_path, baseline):

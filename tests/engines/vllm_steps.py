@@ -28,12 +28,20 @@ image token where each image goes, and image i is 64x64 RGB noise drawn from see
 ...] beside "images" (vLLM's multi_modal_uuids: the client's name of each image, null: none);
 {"op": "reload_weights", "seed": s, "scale": x} -> {"ok"}: every weight
 of the model folder multiplied by ``1 + x * N(0, 1)`` (drawn from seed s) and loaded into the running engine
-in memory (``collective_rpc("reload_weights")``, in-process EngineCore), the model folder untouched; {"op": "reset", "connector": bool} ->
-{"ok"}; {"op": "counters"} -> the connector's counters, once the background L2 scan is done
-(in-process EngineCore only); {"op": "kv_groups"} -> {"num_blocks", "groups": [[spec class, block
+in memory (``collective_rpc("reload_weights")``, in-process EngineCore), the model folder untouched; with
+"unseen": true through the executor instead, a way around ``EngineCore.collective_rpc`` that kvstrata cannot see
+(as a trainer holding the workers' models writes them); {"op": "reset", "connector": bool} ->
+{"ok"}; {"op": "submit", "id": str, "prompt": [ids], "max_tokens": n} -> {}: a request added to the engine and
+left in flight (``LLMEngine.add_request``); {"op": "steps", "n": k|null} -> {"finished": {id: {"tokens",
+"cached"}}}: k engine steps (``LLMEngine.step``), or (null) steps until no request is in flight; {"op": "pause",
+"mode": "abort"|"keep", "clear_cache": bool} -> {"ok"}: what ``pause_generation`` asks of the engine core
+(``EngineCore.pause_scheduler``); {"op": "resume"} -> {"ok"} (both in-process EngineCore only); {"op": "counters"} -> the connector's counters, once the background L2 scan and the queued
+comparisons of verified hits are done (in-process EngineCore only); {"op": "kv_groups"} -> {"num_blocks", "groups": [[spec class, block
 size], ...]}; {"op": "group_keys", "prompt": [ids], "salt": str|null} -> {"kinds", "keys": per group, the
 hex keys of the prompt's full blocks} (a hybrid model's; both in-process EngineCore only); {"op": "sleep", "s": x}; {"op": "plant", "donor": [ids], "victim": [ids]} -> {"planted": n}: the donor prompt's stored
-full blocks written through the store API under the victim's keys (in-process EngineCore only); {"op": "spec_stats"} -> {"drafts", "draft_tokens",
+full blocks written through the store API under the victim's keys, or with "tail": true its partial tail under the
+victim's tail key (in-process EngineCore only); {"op": "lookup", "prompt": [ids]} -> {"tokens"}: the tokens a lookup of
+the prompt finds stored now (in-process EngineCore only); {"op": "spec_stats"} -> {"drafts", "draft_tokens",
 "accepted_tokens"}: vLLM's speculative-decoding counters so far ("speculative" engines); {"op": "arenas", "children": bool} ->
 {"names"}: kvstrata's L1 arena files in /dev/shm created by this process or (by default) its
 children (the EngineCore when "mp"). Greedy decoding throughout.
@@ -159,8 +167,9 @@ def _embedding_table(model: str):
     return _TABLES[model]
 
 
-def _reload_weights(llm, spec: dict, seed: int, scale: float) -> None:
-    """Every weight of the model folder, scaled by ``1 + scale * N(0, 1)``, loaded in memory."""
+def _reload_weights(llm, spec: dict, seed: int, scale: float, unseen: bool = False) -> None:
+    """Every weight of the model folder, scaled by ``1 + scale * N(0, 1)``, loaded in memory (``unseen``:
+    through the executor, around the engine core's ``collective_rpc``)."""
     import glob
 
     import torch
@@ -172,19 +181,34 @@ def _reload_weights(llm, spec: dict, seed: int, scale: float) -> None:
         for name, t in sorted(load_file(path).items()):
             noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
             weights.append((name, (t.float() * (1 + scale * noise)).to(t.dtype)))
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # the spec_stats step reads vLLM's metrics
+    if unseen:
+        llm.llm_engine.engine_core.engine_core.model_executor.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights})
+    else:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # the spec_stats step reads vLLM's metrics
 
 
 def _plant(llm, op: dict) -> dict:
     """The stored full blocks of prompt ``donor`` written through the store API (``save_now``: a
     valid checksum) under the keys of prompt ``victim``: a block whose KV is another prompt's.
-    Returns {"planted": blocks written}."""
+    With "tail": true, the donor's stored partial tail under the victim's tail key instead (the
+    two tails of one length). Returns {"planted": blocks written}."""
     import numpy as np
     import torch
 
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
     store, ns, bs = sched.store, sched.ns, sched.block_size
     store.flush(30)
+    if op.get("tail"):
+        donor = store.lookup(ns, np.asarray(op["donor"], np.uint32), pin=True)
+        try:
+            assert donor.chain.lengths[-1] == len(op["victim"]) % bs, "the donor's tail is not stored, or not as long"
+            rows = torch.empty(donor.num_blocks, sched.arena.slot_bytes, dtype=torch.uint8)
+            assert store.load_into(donor, rows) == donor.num_blocks
+        finally:
+            store.complete_load(donor)
+        epoch, chain = store.chain(ns, np.asarray(op["victim"], np.uint32))
+        return {"planted": store.save_now(ns, epoch, chain.pick([len(chain.keys) - 1]), rows[-1:])}
     donor = store.lookup(ns, np.asarray(op["donor"], np.uint32), pin=True)
     try:
         n = min(sum(1 for k in donor.chain.lengths if k == bs), len(op["victim"]) // bs)
@@ -226,7 +250,29 @@ def step(llm, op: dict, spec: dict) -> dict:
     if op["op"] == "reset":
         return {"ok": llm.reset_prefix_cache(reset_connector=op.get("connector", False))}
     if op["op"] == "reload_weights":
-        _reload_weights(llm, spec, op["seed"], op.get("scale", 0.5))
+        _reload_weights(llm, spec, op["seed"], op.get("scale", 0.5), op.get("unseen", False))
+        return {"ok": True}
+    if op["op"] == "submit":  # left in flight: "steps" runs it
+        from vllm import SamplingParams
+
+        llm.llm_engine.add_request(op["id"], {"prompt_token_ids": op["prompt"]},
+                                   SamplingParams(temperature=0, max_tokens=op.get("max_tokens", 8)))
+        return {}
+    if op["op"] == "steps":
+        finished, n = {}, op.get("n")
+        while (n is None or n > 0) and llm.llm_engine.has_unfinished_requests():
+            for out in llm.llm_engine.step():
+                if out.finished:
+                    finished[out.request_id] = {"tokens": list(out.outputs[0].token_ids),
+                                                "cached": out.num_cached_tokens}
+            n = None if n is None else n - 1
+        return {"finished": finished}
+    if op["op"] == "pause":  # in-process EngineCore only
+        llm.llm_engine.engine_core.engine_core.pause_scheduler(mode=op.get("mode", "abort"),
+                                                               clear_cache=op.get("clear_cache", True))
+        return {"ok": True}
+    if op["op"] == "resume":  # in-process EngineCore only
+        llm.llm_engine.engine_core.engine_core.resume_scheduler()
         return {"ok": True}
     if op["op"] == "sleep":
         time.sleep(op["s"])
@@ -253,9 +299,15 @@ def step(llm, op: dict, spec: dict) -> dict:
         return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
     if op["op"] == "plant":  # in-process EngineCore only: the donor's stored KV under the victim's keys
         return _plant(llm, op)
+    if op["op"] == "lookup":  # in-process EngineCore only: what a lookup of the prompt finds stored now
+        import numpy as np
+
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+        return {"tokens": sched.store.lookup(sched.ns, np.asarray(op["prompt"], np.uint32)).num_tokens}
     if op["op"] == "counters":
         store = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.store
         store.wait_recovered(120)  # settled figures: the background L2 scan's counts included
+        store.wait_verified(30)  # and the verified hits' comparisons (on the store's comparison thread)
         return store.counters.snapshot()
     raise ValueError(f"unknown step {op['op']!r}")
 

@@ -75,14 +75,21 @@ class Shared:
     """Instances of one kind of shared epoch state: ``open(name)`` a store, ``config(name)`` its
     YAML file (for the CLI), ``lose()`` deletes the namespace's epoch state."""
 
-    def __init__(self, kind: str, tmp: Path, url: str | None) -> None:
+    def __init__(self, kind: str, tmp: Path, url: str | None, secret: bool = False) -> None:
         self.kind, self.tmp, self.url = kind, tmp, url
+        self.key_file: Path | None = None
+        if secret:  # a deployment secret: MAC'd epochs, with their floor records
+            self.key_file = tmp / "secret"
+            self.key_file.write_bytes(b"s" * 40)
+            self.key_file.chmod(0o600)
 
     def overrides(self, name: str) -> dict[str, object]:
         if self.kind == "l2":  # one host's processes: one L2 folder, its epochs folder
             return {"l2.path": str(self.tmp / "l2")}
         remote = {"remote.backend": "redis", "remote.url": self.url} if self.kind == "redis" else {
             "remote.backend": "fs", "remote.path": str(self.tmp / "shared")}
+        if self.key_file is not None:
+            remote["remote.auth_key_file"] = str(self.key_file)
         return {"l2.path": str(self.tmp / name / "l2"), "remote.enabled": True, "remote.invalidation_ms": 1,
                 "remote.timeout_ms": 2000, **remote}
 
@@ -103,10 +110,15 @@ class Shared:
         return path
 
     def lose(self) -> None:
+        """The epoch value deleted (``allkeys-lru`` evicted it, an operator removed it); its floor
+        record, where there is one, stays."""
         if self.kind == "redis":
-            assert redis.Redis.from_url(self.url).delete(f"kvstrata:epoch:{NS.seed.hex()}") == 1
+            client = redis.Redis.from_url(self.url)
+            assert client.delete(*client.keys(f"kvstrata:*epoch:{NS.seed.hex()}")) == 1
         else:
-            (self.tmp / ("l2" if self.kind == "l2" else "shared") / "epochs" / NS.seed.hex()).unlink()
+            shared = self.tmp / ("l2" if self.kind == "l2" else "shared")
+            (path,) = shared.glob(f"**/epochs/{NS.seed.hex()}")
+            path.unlink()
 
 
 @pytest.fixture(params=["redis", "fs", "l2"])
@@ -199,6 +211,70 @@ def test_lost_epoch_state_is_adopted_but_does_not_let_old_weights_back_in(shared
         assert save(b, 2, OLD) == 0 and hits(b, 1) == 0 and not b.joined(NS.seed)
         assert b.reset(NS.seed) == a.current_epoch(NS)
         assert loads(b, 1, NEW)
+
+
+def wait_until(what: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def idle_peer_after_a_reset_and_a_lost_epoch(a: BlockStore, b: BlockStore, lose: Callable[[], None],
+                                             deaf: bool) -> None:
+    """The issue's scenario (issue 50, part 2): A and B serve P; A changes its weights and resets
+    while B is idle (no lookup, no save); the epoch value is then lost (``allkeys-lru`` evicted it).
+    B serves P and Q, then A serves P and Q: A loads nothing B computed, and B nothing of A's.
+    ``deaf``: B hears no announcement (its subscriber gone, or a folder: none), so only what the
+    lost epoch's replacement carries can keep B out."""
+    assert save(b, 1, OLD) == BLOCKS and loads(a, 1, OLD)
+    for store in (a, b):  # the start's L2 scan reads the epoch when it ends: over before B goes idle
+        assert store.recovery is None or store.recovery.wait(10)
+    if deaf:
+        b.epochs.close()
+        time.sleep(1.2)  # the subscriber's last round is over
+    a.reset(NS.seed)
+    if not deaf:  # B learns of it in the background, before any use: behind
+        assert wait_until(lambda: not b.joined(NS.seed))
+    lose()
+    assert save(b, 1, OLD) == 0 and save(b, 2, OLD) == 0  # B's GPU cache serves P; Q is new
+    assert not b.joined(NS.seed) and b.counters.get("not_joined_saves") == 2 * BLOCKS
+    assert hits(a, 1) == 0 and hits(a, 2) == 0 and a.joined(NS.seed)
+    assert save(a, 3, NEW) == BLOCKS and hits(b, 3) == 0
+    assert b.reset(NS.seed) == a.current_epoch(NS) and loads(b, 3, NEW)
+
+
+def test_an_idle_instance_learns_of_a_reset_as_it_is_announced(tmp_path):
+    """Redis without a secret: the subscriber reads the epoch when the announcement arrives, so B,
+    idle, is behind before the epoch is lost; the fresh epoch (generation 0) leaves it out."""
+    if redisutil.REDIS is None:
+        pytest.skip("redis-server is not installed")
+    with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
+        shared = Shared("redis", tmp_path, url)
+        with shared.open("a") as a, shared.open("b") as b:
+            idle_peer_after_a_reset_and_a_lost_epoch(a, b, shared.lose, deaf=False)
+
+
+@pytest.mark.parametrize("kind", ["redis", "fs"])
+def test_an_epoch_made_after_state_loss_keeps_the_newest_weights_generation_its_floor_knows(kind, tmp_path):
+    """With a secret, B hears nothing (its subscriber closed; a folder has none). The floor record,
+    which losing the epoch value leaves in place, names the newest epoch: the value made after the
+    loss keeps its weights generation, so B, which never joined it, stays out."""
+    if kind == "fs":
+        shared = Shared("fs", tmp_path, None, secret=True)
+        with shared.open("a") as a, shared.open("b") as b:
+            idle_peer_after_a_reset_and_a_lost_epoch(a, b, shared.lose, deaf=True)
+            assert generation(a.current_epoch(NS)) != 0
+        return
+    if redisutil.REDIS is None:
+        pytest.skip("redis-server is not installed")
+    with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
+        shared = Shared("redis", tmp_path, url, secret=True)
+        with shared.open("a") as a, shared.open("b") as b:
+            idle_peer_after_a_reset_and_a_lost_epoch(a, b, shared.lose, deaf=True)
+            assert generation(a.current_epoch(NS)) != 0
 
 
 def test_a_flush_after_a_reset_does_not_let_in_an_instance_that_missed_the_reset(shared):

@@ -196,3 +196,42 @@ def test_a_reset_announced_while_the_subscriber_was_away_is_seen_once_it_listens
             time.sleep(0.02)
         assert writer.lookup(NS, tokens()).num_blocks == 0
         assert writer.current_epoch(NS) == int(client.get(EPOCH_KEY))
+
+
+def test_volatile_lru_evicts_blocks_and_never_the_epoch_or_its_floor(tmp_path):
+    """The recommended policy (docs/shared-tier.md): every block's keys carry a TTL, control state
+    none, and Redis runs ``volatile-lru`` with a ``maxmemory`` of 1 MB over what it held at start,
+    while 3 MB of blocks are written. Blocks are evicted; the epoch key and the floor record never
+    are, so no instance sees its epoch lost. The control, ``block_ttl_s: 0``: with no TTL anywhere
+    Redis evicts nothing and refuses the writes over its bound (saves are dropped, never served)."""
+    import torch
+
+    key_file = tmp_path / "secret"
+    key_file.write_bytes(b"v" * 40)
+    key_file.chmod(0o600)
+    with redisutil.standalone(tmp_path / "redis") as (url, _, _):
+        client = redis.Redis.from_url(url)
+        for ttl in (604800, 0):
+            client.flushdb()
+            client.config_set("maxmemory", 0)
+            client.config_resetstat()
+            with redis_store(tmp_path, f"w{ttl}", url, **{"remote.auth_key_file": str(key_file),
+                                                          "remote.block_ttl_s": ttl, "l2.enabled": False}) as w:
+                epoch = w.current_epoch(NS)
+                client.config_set("maxmemory", client.info("memory")["used_memory"] + 2**20)
+                client.config_set("maxmemory-policy", "volatile-lru")
+                for seed in range(1, 769):  # 768 prompts of 4 blocks of 1 KiB: 3 MiB of payload
+                    e, chain = w.chain(NS, np.random.default_rng(seed).integers(0, 30000, 64, dtype=np.uint32))
+                    rows = [np.frombuffer(k * (SIZE // 16), np.uint8) for k in chain.keys]
+                    w.save_now(NS, e, chain, torch.from_numpy(np.stack(rows).copy()))
+                w.flush()
+                control = [n for n in client.scan_iter() if b":epoch:" in n or b":floor:" in n]
+                evicted = client.info("stats")["evicted_keys"]
+                if ttl:
+                    assert evicted > 1000 and w.counters.get("remote_bytes_written") >= 3 * 2**20
+                    assert len(control) == 2 and all(client.ttl(n) == -1 for n in control)
+                    assert w.current_epoch(NS) == epoch  # never lost
+                    assert w.lookup(NS, np.random.default_rng(768).integers(0, 30000, 64, dtype=np.uint32)
+                                    ).num_blocks == 4  # the newest blocks are there
+                else:
+                    assert evicted == 0 and w.counters.get("remote_bytes_written") < 2 * 2**20

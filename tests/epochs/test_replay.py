@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -41,14 +42,14 @@ class Tier:
         self.key_file.write_bytes(SECRET + b"\n")
         self.key_file.chmod(0o600)
 
-    def open(self, name: str) -> BlockStore:
+    def open(self, name: str, **remote_overrides: object) -> BlockStore:
         """An instance with an L2 folder of its own (``tmp/name``): a new name is an empty disk."""
         remote = {"remote.backend": "redis", "remote.url": self.url} if self.kind == "redis" else {
             "remote.backend": "fs", "remote.path": str(self.tmp / "shared")}
         return BlockStore(load_config(None, {
             "l1.size": "1MiB", "l1.pin_memory": False, "l2.path": str(self.tmp / name / "l2"),
             "remote.enabled": True, "remote.invalidation_ms": 1, "remote.auth_key_file": str(self.key_file),
-            **remote}))
+            **remote, **{f"remote.{k}": v for k, v in remote_overrides.items()}}))
 
     # ------------------------------------------------------------------ the attacker's side
     @property
@@ -65,6 +66,7 @@ class Tier:
             dump = {n.decode(): self.client.dump(n) for n in names}
             dump["epoch"] = self.client.get(self._epoch_name())
             return dump
+        shutil.rmtree(self.tmp / "stolen-blocks", ignore_errors=True)
         shutil.copytree(self._space / "blocks", self.tmp / "stolen-blocks")
         return {"epoch": (self._space / "epochs" / NS.seed.hex()).read_bytes()}
 
@@ -99,11 +101,27 @@ class Tier:
         else:
             (self._space / "epochs" / f"{NS.seed.hex()}.floor").unlink()
 
-    def counter(self) -> int:
-        """The counter of the stored epoch value (its last field)."""
-        raw = self.client.get(self._epoch_name()) if self.client is not None else (
+    def _value(self) -> bytes:
+        return self.client.get(self._epoch_name()) if self.client is not None else (
             self._space / "epochs" / NS.seed.hex()).read_bytes()
-        return int(raw.strip().split(b":")[2])
+
+    def counter(self) -> int:
+        """The counter of the stored epoch value (its third field)."""
+        return int(self._value().strip().split(b":")[2])
+
+    def sealed(self) -> int:
+        """The second the stored epoch value was sealed (its last field)."""
+        return int(self._value().strip().split(b":")[3])
+
+    def seal(self, *signed: int) -> bytes:
+        """A value of an older format under the deployment secret, as an older release wrote it:
+        ``(epoch,)`` before counters, ``(epoch, counter)`` before freshness."""
+        auth = Auth(SECRET)
+        kind, name = (b"epoch", self._epoch_name()) if self.kind == "redis" else (b"epoch:remote", NS.seed.hex())
+        if len(signed) == 1:
+            return auth.seal_text(kind, name, str(signed[0]).encode())
+        tag = auth.tag(kind + b"+counter", name, b"%d:%d" % signed)
+        return b"%d:%s:%d" % (signed[0], tag.hex().encode(), signed[1])
 
 
 @pytest.fixture(params=["redis", "fs"])
@@ -186,26 +204,69 @@ def test_deleting_every_copy_loses_the_epoch_never_revives_an_older_one(tier):
         assert b.counters.get("epoch_replays_refused") == 0
 
 
-def test_epoch_values_carry_a_rising_counter_and_the_format_before_counters_is_read_as_counter_zero(tier):
-    """Scenario: a deployment upgraded from values without a counter. The old value (its MAC over
-    the epoch alone) is still the current epoch, with no floor anywhere; after the next
-    invalidation it is a replay like any older value."""
-    auth = Auth(SECRET)
+def test_a_value_written_back_with_the_floor_deleted_is_refused_by_a_fresh_instance_once_it_is_max_age_old(tier):
+    """The issue's scenario (issue 50, part 1): A saves a prompt under E1; the attacker copies E1's
+    value and blocks; A invalidates (E2). The attacker writes E1's value and the blocks back and
+    deletes every floor record it can reach (the shared folder's ``.retired`` and the shared floor):
+    only A's own disk still knows. B, a new container with an empty L2, has no floor of its own: it
+    takes a value only if sealed at most ``remote.epoch_max_age_s`` ago, and E1's is older. It
+    serves nothing, counts the value expired, and A then follows B's fresh epoch. The control, the
+    window that remains: the same replay within ``epoch_max_age_s`` of the copy is served."""
+    for max_age, served in ((1, 0), (3600, BLOCKS)):
+        with tier.open(f"a{max_age}", epoch_max_age_s=max_age) as a:
+            a.reset(NS.seed)  # a clean start for each round: a new epoch of its own
+            assert save(a) == BLOCKS
+            stolen = tier.steal()
+            old = a.epochs.get(NS.seed)
+            assert a.invalidate(NS.seed) is not None
+        time.sleep(2.1)  # the stolen value is now over 1 s old (its seal counts whole seconds)
+        tier.replay(stolen)
+        tier.delete_shared_floor()
+        with tier.open(f"b{max_age}", epoch_max_age_s=max_age) as b:
+            assert hits(b) == served, max_age
+            expired = b.counters.get("epoch_values_expired")
+            assert (expired, b.epochs.get(NS.seed) != old) == ((1, True) if served == 0 else (0, False)), max_age
+            now = b.epochs.get(NS.seed)
+        if served == 0:
+            with tier.open(f"a{max_age}", epoch_max_age_s=max_age) as a:  # its floor knows a higher counter
+                assert hits(a) == 0 and a.epochs.get(NS.seed) not in (old, 0)
+                settled = a.epochs.get(NS.seed)
+            with tier.open(f"b{max_age}", epoch_max_age_s=max_age) as b:  # and every instance follows
+                assert hits(b) == 0 and b.epochs.get(NS.seed) in (now, settled)
+
+
+def test_an_epoch_value_in_use_is_sealed_again_so_a_live_fleet_never_sees_it_expire(tier):
+    """A reads its epoch every ``invalidation_ms``; once the value is a quarter of ``epoch_max_age_s``
+    old, A seals the same epoch again (next counter, the time now). A new container started after
+    ``epoch_max_age_s`` then takes it, and shares A's blocks."""
+    with tier.open("a", epoch_max_age_s=4) as a:
+        assert save(a) == BLOCKS
+        epoch, counter, sealed = a.epochs.get(NS.seed), tier.counter(), tier.sealed()
+        for _ in range(5):
+            time.sleep(1.05)
+            assert hits(a) == BLOCKS
+        assert a.epochs.get(NS.seed) == epoch and tier.counter() > counter and tier.sealed() > sealed
+    with tier.open("b", epoch_max_age_s=4) as b:
+        assert hits(b) == BLOCKS and b.counters.get("epoch_values_expired") == 0
+
+
+def test_values_of_older_formats_are_taken_by_an_instance_with_its_floor_and_sealed_again(tier):
+    """A deployment upgraded from values without a seal time (and from before counters): an
+    instance that holds its floor takes the current value and seals it again with the time; a new
+    container, with no floor of its own, refuses a value of an older format (it carries no time)
+    once no floor record vouches for it either, as lost state: a fresh epoch."""
     with tier.open("a") as a:
         first = a.epochs.get(NS.seed)
-        counters = [tier.counter()]
-        a.invalidate(NS.seed)
-        counters.append(tier.counter())
-        assert counters[1] > counters[0] >= 1
-    tier.delete_shared_floor()  # no floor anywhere, and no retired epoch either: as before the upgrade
-    shutil.rmtree(tier.tmp / "a")
-    (tier._space / "epochs" / f"{NS.seed.hex()}.retired").unlink(missing_ok=True)
-    legacy = (auth.seal_text(b"epoch", tier._epoch_name(), str(first).encode()) if tier.kind == "redis" else
-              auth.seal_text(b"epoch:remote", NS.seed.hex(), str(first).encode()))
-    tier.write_epoch(legacy)
-    with tier.open("b") as b:
-        assert b.epochs.get(NS.seed) == first and b.counters.get("remote_auth_epochs") == 0
-        b.invalidate(NS.seed)
-    tier.write_epoch(legacy)
-    with tier.open("b") as b:
-        assert b.epochs.get(NS.seed) != first and b.counters.get("epoch_replays_refused") == 1
+        counter = tier.counter()
+        assert counter >= 1 and tier.sealed() >= int(time.time()) - 5
+    tier.write_epoch(tier.seal(first, counter))  # as the release before freshness wrote it
+    with tier.open("a") as a:  # its own floor vouches: taken, and sealed again with the time
+        assert a.epochs.get(NS.seed) == first and tier.counter() == counter + 1
+        assert tier.sealed() >= int(time.time()) - 5
+    with tier.open("b") as b:  # a new container takes the sealed value
+        assert b.epochs.get(NS.seed) == first and b.counters.get("epoch_values_expired") == 0
+    tier.delete_shared_floor()
+    tier.write_epoch(tier.seal(first))  # before counters: counter 0 and no time
+    with tier.open("c") as c:
+        assert c.epochs.get(NS.seed) != first and c.counters.get("epoch_values_expired") == 1
+        assert c.counters.get("remote_auth_epochs") == 0  # it passed its MAC: refused for its age

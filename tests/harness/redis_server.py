@@ -40,7 +40,7 @@ def redis_server(url: str | None = None, folder: Path | None = None, maxmemory: 
     cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
            "--dir", str(folder)]
     if maxmemory:
-        cmd += ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        cmd += ["--maxmemory", maxmemory, "--maxmemory-policy", "volatile-lru"]  # docs/shared-tier.md's
     with open(folder / "redis.log", "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

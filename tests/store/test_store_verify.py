@@ -18,6 +18,12 @@ from tests.builders import BLOCK_BYTES, BLOCK_SIZE, make_config, make_namespace,
 SEGMENTS = segments_of(BLOCK_BYTES, 4, torch.float32)
 
 
+def total(snap: dict, name: str) -> int:
+    """A per-tier counter summed over the tiers (the copy compared is read from a tier chosen at
+    random among those holding it)."""
+    return sum(v for k, v in snap.items() if k.startswith(f"{name}_"))
+
+
 def floats(seed: int, n: int) -> torch.Tensor:
     """``n`` blocks of random float32 KV, as uint8 rows."""
     g = torch.Generator().manual_seed(seed)
@@ -63,11 +69,11 @@ def test_honest_recomputation_passes_and_keeps_the_blocks(tmp_path):
     res = store.prepare_verify(ns, epoch, chain, BLOCK_BYTES)
     noisy = kv[:4].view(torch.float32) * (1 + 1e-6 * torch.randn(4, BLOCK_BYTES // 4))
     fill(store, res, noisy.view(torch.uint8))
-    results = store.complete_verify(res, SEGMENTS)
+    results = store.complete_verify(res, SEGMENTS, wait=True)
     assert len(results) == 4 and all(r.ok for r in results)
     assert max(r.error for r in results) > 0  # not bit-identical, and still a match
     snap = store.snapshot()
-    assert snap.get("verify_checks_l1") == 4 and not snap.get("verify_mismatches_l1")
+    assert total(snap, "verify_checks") == 4 and not total(snap, "verify_mismatches")
     assert store.lookup(ns, tokens).num_blocks == len(chain.keys)
     assert store.stats()["verify"][ns.seed.hex()]["checks"] == 4
     # the scratch slots went back: a second round gets slots again, as many
@@ -86,11 +92,12 @@ def test_mismatch_deletes_the_block_from_every_tier(tmp_path, caplog):
     computed[2] = floats(99, 1)[0]  # block 2: another prompt's KV under this key
     fill(store, res, computed)
     with caplog.at_level(logging.ERROR, logger="kvstrata.store.verify"):
-        results = store.complete_verify(res, SEGMENTS)
+        results = store.complete_verify(res, SEGMENTS, wait=True)
     assert [r.ok for r in results] == [True, True, False, True]
-    assert chain.keys[2].hex() in caplog.text and "MISMATCH" in caplog.text and "served from l1" in caplog.text
+    assert chain.keys[2].hex() in caplog.text and "MISMATCH" in caplog.text
+    assert "served from l1" in caplog.text or "served from l2" in caplog.text
     snap = store.snapshot()
-    assert snap["verify_checks_l1"] == 4 and snap["verify_mismatches_l1"] == 1
+    assert total(snap, "verify_checks") == 4 and total(snap, "verify_mismatches") == 1
     assert store.lookup(ns, tokens).num_blocks == 2  # the chain stops at the deleted block
     assert store.l2.used_bytes < l2_files_before  # its disk copy is gone too
     assert store.stats()["verify"][ns.seed.hex()]["last_mismatch"]["key"] == chain.keys[2].hex()
@@ -116,7 +123,7 @@ def test_mismatch_of_a_block_served_from_disk(tmp_path):
     computed = kv[:4].clone()
     computed[0] = floats(7, 1)[0]
     fill(store, res, computed)
-    results = store.complete_verify(res, SEGMENTS)
+    results = store.complete_verify(res, SEGMENTS, wait=True)
     assert [r.ok for r in results] == [False, True, True, True]
     snap = store.snapshot()
     assert snap["verify_checks_l2"] == 4 and snap["verify_mismatches_l2"] == 1
@@ -133,7 +140,7 @@ def test_a_pinned_mismatching_block_is_hidden_at_once(tmp_path):
     computed = kv[:4].clone()
     computed[0] = floats(8, 1)[0]
     fill(store, res, computed)
-    assert not store.complete_verify(res, SEGMENTS)[0].ok
+    assert not store.complete_verify(res, SEGMENTS, wait=True)[0].ok
     assert store.lookup(ns, tokens).num_blocks == 0  # hidden although pinned
     assert not store.stored_mask(ns, epoch, chain)[0]  # and to be saved again
     slot = store.l1.slot_of(chain.keys[0])
@@ -150,7 +157,7 @@ def test_quarantine_serves_nothing_until_the_epoch_changes(tmp_path):
     computed = kv[:4].clone()
     computed[3] = floats(9, 1)[0]
     fill(store, res, computed)
-    store.complete_verify(res, SEGMENTS)
+    store.complete_verify(res, SEGMENTS, wait=True)
     assert store.lookup(ns, tokens).num_blocks == 0  # blocks 0-2 are fine, and still not served
     assert store.snapshot()["quarantined_misses"] >= 1
     assert store.stats()["verify"][ns.seed.hex()]["quarantined"]
@@ -180,5 +187,5 @@ def test_tolerance_override_applies(tmp_path):
     res = store.prepare_verify(ns, epoch, chain, BLOCK_BYTES)
     noisy = kv[:4].view(torch.float32) * 1.2  # 17% off: a mismatch at the default 1e-3
     fill(store, res, noisy.view(torch.uint8))
-    assert all(r.ok and r.tolerance == 0.5 for r in store.complete_verify(res, SEGMENTS))
+    assert all(r.ok and r.tolerance == 0.5 for r in store.complete_verify(res, SEGMENTS, wait=True))
     store.close()

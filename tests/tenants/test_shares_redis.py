@@ -8,6 +8,7 @@ too small to hold it, so each of B's hits is a load from Redis. With a 50/50 sha
 least 95% of its hits (all of them). Without shares B loses almost all of them, whether the
 tier is one LRU kept by kvstrata (every tenant's share the whole tier) or Redis' own
 ``allkeys-lru`` under a ``maxmemory`` of the same number of blocks (kvstrata keeping no account).
+``"*"`` is one share for all the tenants not named: a flood under eight names takes that one share.
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ def used_memory(admin: redis.Redis) -> int:
 
 
 def flood(tmp: Path, url: str, shares: dict | None, admin: redis.Redis,
-          maxmemory: bool = False) -> tuple[float, BlockStore, BlockStore]:
-    """B's working set, A's flood, B asking after each round; B's hit rate (blocks loaded from
-    Redis / blocks asked) and the two stores (open: the caller closes them). With ``maxmemory``,
-    Redis gets a ``maxmemory`` of 64 of B's blocks (measured) above what it held, ``allkeys-lru``."""
+          maxmemory: bool = False, names: tuple[str, ...] = ("a",)) -> tuple[float, BlockStore, BlockStore]:
+    """B's working set, A's flood (under ``names``, one prompt each in turn), B asking after each
+    round; B's hit rate (blocks loaded from Redis / blocks asked) and the two stores (open: the
+    caller closes them). With ``maxmemory``, Redis gets a ``maxmemory`` of 64 of B's blocks
+    (measured) above what it held, ``allkeys-lru``."""
     a_store, b_store = open_store(tmp, "a", url, shares), open_store(tmp, "b", url, shares)
-    a, b = make_namespace(tenant="a"), make_namespace(tenant="b")
+    flooding, b = [make_namespace(tenant=name) for name in names], make_namespace(tenant="b")
     working = [random_tokens(f"b{i}", BLOCK_SIZE) for i in range(B_SET)]
     chains = [store_prompt(b_store, b, p)[0] for p in working]
     if maxmemory:  # room for as many blocks as the tier holds, B's included, by Redis' own count
@@ -77,7 +79,7 @@ def flood(tmp: Path, url: str, shares: dict | None, admin: redis.Redis,
     hits = asked = 0
     for r in range(ROUNDS):
         for i in range(TIER_BLOCKS):
-            store_prompt(a_store, a, random_tokens(f"a{r}-{i}", BLOCK_SIZE))
+            store_prompt(a_store, flooding[i % len(flooding)], random_tokens(f"a{r}-{i}", BLOCK_SIZE))
         for p in working:
             asked += 1
             before_hits = b_store.counters.get("hit_blocks_remote")
@@ -137,8 +139,8 @@ def test_a_flood_of_4x_the_tier_leaves_b_its_redis_hits_within_its_share(tmp_pat
 
 @pytest.mark.parametrize("baseline", ["one-lru", "redis-maxmemory"])
 def test_without_shares_the_flood_costs_b_its_hits(tmp_path, server, baseline):
-    """The loss shares prevent: ``one-lru``, kvstrata's account with every tenant's share the
-    whole tier (``"*": 1.0``: nobody over its share until one holds it all, so one LRU);
+    """The loss shares prevent: ``one-lru``, kvstrata's account with every tenant in the one
+    ``"*"`` share, the whole tier (``"*": 1.0``: one LRU, its holder giving its own);
     ``redis-maxmemory``, no shares at all, Redis' own ``allkeys-lru`` over as many blocks."""
     url, admin = server
     shares = {"*": 1.0} if baseline == "one-lru" else None
@@ -146,12 +148,41 @@ def test_without_shares_the_flood_costs_b_its_hits(tmp_path, server, baseline):
     with a_store, b_store:
         assert rate < 0.5, f"without shares B kept {rate:.3f} of its hits: the flood shows no loss"
         if shares is not None:
-            assert a_store.counters.get("remote_evicted_lru") > 0
+            assert a_store.counters.get("remote_evicted_own_share") > 0
         else:
             assert int(admin.info("stats")["evicted_keys"]) > 0
             assert admin.dbsize() >= TIER_BLOCKS  # Redis kept about a tier's worth (two keys a block), not nothing
             assert a_store.counters.get("remote_evicted") == 0  # Redis evicted, not kvstrata
     print(f"B's hit rate on Redis without shares ({baseline}): {rate:.3f}")
+
+
+def test_a_flood_under_eight_names_takes_one_star_share_on_redis(tmp_path, server, monkeypatch):
+    """Scenario (issue 50): shares ``{b: 40%, "*": 20%}``, A floods 4x the tier rotating over
+    eight tenant names. The eight hold one share in Redis' counters too, over it: they
+    give up their own blocks (the oldest of the eight sorted sets together) and B keeps its hits.
+    Control: ``"*"`` a share per name (tests/tenants/test_shares_store.py's ``EachUnnamed``, the
+    arithmetic before): the tier is one LRU and B loses them."""
+    from tests.tenants.test_shares_store import EIGHT, STAR, each_unnamed
+
+    url, admin = server
+    rate, a_store, b_store = flood(tmp_path / "fixed", url, STAR, admin, names=EIGHT)
+    with a_store, b_store:
+        assert rate >= 0.95, f"B kept {rate:.3f} of its hits against a flood under eight names"
+        assert a_store.counters.get("remote_evicted_own_share") > 0
+        assert a_store.counters.get("remote_evicted_lru") == a_store.counters.get("remote_evicted_over_share") == 0
+        assert b_store.counters.get("remote_evicted") == 0
+        usage = b_store.remote.shares.usage()
+        assert usage["b"] == (B_SET * STORED, B_SET)
+        assert sum(usage[x][0] for x in EIGHT) + usage["b"][0] <= TIER_BLOCKS * STORED
+        assert present(admin)[1] == sum(blocks for _b, blocks in usage.values())
+    admin.flushall()
+    each_unnamed(monkeypatch)
+    rate_each, a_store, b_store = flood(tmp_path / "each", url, STAR, admin, names=EIGHT)
+    with a_store, b_store:
+        assert rate_each < 0.5, f"with a share per name B kept {rate_each:.3f}: the control shows no loss"
+        assert a_store.counters.get("remote_evicted_lru") > 0
+    print(f"B's hit rate on Redis against a flood under 8 names, shares {{b: 40%, '*': 20%}}: "
+          f"one '*' share {rate:.3f}, a '*' share per name (before) {rate_each:.3f}")
 
 
 def test_hits_renew_their_blocks_off_the_engine_thread(tmp_path, server):

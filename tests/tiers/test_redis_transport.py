@@ -43,7 +43,7 @@ USER, PASSWORD = "kvstrata", "s3cret-for-tests"
 # With a secret (remote.auth_key_file) keys and channel move under P:<key id>:, still in ~P:*.
 ACL_RULES = (f"on >{PASSWORD} resetkeys ~{PREFIX}:* resetchannels &{PREFIX}:epochs &{PREFIX}:*:epochs -@all "
              "+mget +set +getrange +sadd +srandmember +del +type +eval +scan +publish +subscribe +ping "
-             "+zadd +zrange +zpopmin +incrby +time")  # the last five: tenants.shares.remote's scripts
+             "+zadd +zrange +zpopmin +incrby +time +expire")  # the last five: tenants.shares.remote's scripts
 
 
 # ------------------------------------------------------------------ certificates

@@ -28,8 +28,8 @@ from kvstrata.config.machine import check_fits_one_block, check_machine
 from kvstrata.config.reading import (ENV_VAR, MAX_DEPTH, MAX_ERRORS, MAX_FILE_BYTES, MAX_VALUES, SHOWN_CHARS, check_shape, explain,
                       expand_dotted, merge, parse, read_text, shown)
 from kvstrata.config.schema import (_SOURCE_KEY, EMBEDDED, BreakerConfig, ConfigError, KeysConfig, L1Config, L2Config,
-                     NamespaceConfig, RemoteConfig, SaveConfig, Size, StrataConfig, TenantsConfig, VerifyConfig,
-                     parse_size)
+                     NamespaceConfig, RemoteConfig, SaveConfig, Size, StrataConfig, TenantsConfig, VerifyConfig)
+from kvstrata.config.values import parse_size
 
 __all__ = [
     "EMBEDDED", "ENV_VAR", "MAX_DEPTH", "MAX_ERRORS", "MAX_FILE_BYTES", "MAX_VALUES", "SHOWN_CHARS",

@@ -1,41 +1,23 @@
 """config/schema.py: the typed configuration, ``StrataConfig`` and its sections: every key, its
-type, default and bounds, with a docstring per key; sizes (``parse_size``) and ``ConfigError``.
+type, default and bounds, with a docstring per key, and ``ConfigError``; what a value's text stands
+for (sizes, shares, tenant names) is ``config/values.py``.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from decimal import Decimal
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from kvstrata.config.values import DEFAULT_TENANT, OTHER_TENANTS, check_tenant_name, listed_shares, parse_share, parse_size
+
 EMBEDDED = "<embedded default>"
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
-_SIZE_RE = re.compile(r"^\s*(\d{1,24}(?:\.\d{1,24})?)\s*([a-zA-Z]{0,3})\s*$")  # bounded digits
 
 
 class ConfigError(ValueError):
     """A configuration the user has to fix; the message says where and how."""
-
-
-def parse_size(value: Any) -> int:
-    """``8GiB``, ``512MiB``, ``1.5GB`` or a plain integer number of bytes."""
-    if isinstance(value, bool):
-        raise ValueError("expected a size like 8GiB or a byte count")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str) and (m := _SIZE_RE.match(value)) and m[2].lower() in _UNITS:
-        n = int(Decimal(m[1]) * _UNITS[m[2].lower()])  # exact, and no float overflow
-    else:
-        raise ValueError("expected a size like 8GiB, 512MiB or a byte count")
-    if n < 0:
-        raise ValueError("expected a non-negative size")
-    return n
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
@@ -56,12 +38,19 @@ class NamespaceConfig(_Model):
     model_version: str | None = None
     """Explicit weights version. Default: a fingerprint of the model folder's config and files."""
     tenant: str = ""
-    """Salt that separates tenants: blocks are never shared across different values."""
+    """Salt that separates tenants: blocks are never shared across different values. Empty (the
+    tenant ``default``) or a name of ``TENANT_NAME``: lower case, no spaces, so that two spellings
+    of one name can never be two tenants."""
     version_group: str | None = None
     """A name for a set of software releases known to give the same KV. Default (unset): the
     engine's release, torch's and transformers' are in the namespace, so an upgrade of any of them
     starts on a cold shared tier. Set: this name stands in for them, and instances of any release
     with the same name share blocks (name another group when a release changes the KV)."""
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, v: str) -> str:
+        return v if v == "" else check_tenant_name(v)
 
     @field_validator("version_group")
     @classmethod
@@ -142,6 +131,12 @@ class RemoteConfig(_Model):
     explicitly): writers then keep the key space within it, tenant by tenant (docs/tenants.md), and
     Redis' ``maxmemory`` must be above it (plus about 200 bytes of Redis overhead per block).
     Without shares Redis' own ``maxmemory`` bounds the tier."""
+    block_ttl_s: int = Field(7 * 86400, ge=0)
+    """Redis: every block's keys (payload, index entry, tail set) expire this long after their last
+    write (0: never). What makes the recommended ``maxmemory-policy volatile-lru`` work: Redis then
+    evicts blocks only, never the keys without a TTL that hold control state (epochs, floor
+    records, descriptors, verification records, the tenant account). A block still in use after
+    this long is recomputed once and written again."""
     key_prefix: str = "kvstrata"
     timeout_ms: int = Field(200, gt=0)
     """Every remote call gives up after this long; the engine then recomputes."""
@@ -151,6 +146,12 @@ class RemoteConfig(_Model):
     """A lookup uses an epoch only if the shared tier confirmed it at most ``invalidation_ms +
     confirm_margin_ms`` before (``staleness_bound_s``); past that, while the tier does not answer,
     lookups miss. The margin lets a slow or failed poll or two go by without costing hits."""
+    epoch_max_age_s: int = Field(3600, gt=0)
+    """With a secret: how old an epoch value an instance with no floor of its own (a new container,
+    an empty L2) accepts, by the time sealed under its MAC. Instances in use seal it again every
+    quarter of this, so only a value written back (a replay) or a fleet idle this long is older:
+    either starts a fresh epoch (misses). The window left to a replay: a value written back within
+    this long of its copy, to an instance with no floor of its own (docs/consistency.md)."""
     allow_stale_epoch: bool = False
     """The lenient policy: keep using the last epoch read, however old, while the shared tier
     is unreachable. It risks serving blocks another instance invalidated meanwhile (a weight
@@ -240,6 +241,10 @@ class VerifyConfig(_Model):
     tolerances: dict[Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"], float] = {}
     """Per KV dtype, the largest relative L2 error of a layer's part of a block that still counts
     as equal (overrides the calibrated defaults, ``verify.compare.TOLERANCES``)."""
+    queue_blocks: int = Field(1024, gt=0)
+    """Blocks waiting for their comparison (each holds a scratch L1 slot). Comparisons read tiers,
+    so they run on a thread of their own, never the engine's; beyond this many waiting (a slow or
+    hung tier holds them up) a verification is skipped and counted (``verify_skipped``)."""
 
     @field_validator("tolerances")
     @classmethod
@@ -262,30 +267,7 @@ class KeysConfig(_Model):
     stored under the other."""
 
 
-def parse_share(value: Any) -> float | int:
-    """A tier share: a fraction (``0.5`` or ``50%``) of the tier's capacity, or a size (``8GiB``, or a
-    byte count of at least 4096)."""
-    if isinstance(value, bool):
-        raise ValueError("expected a fraction like 0.5 or 50%, or a size like 8GiB")
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            value = float(Decimal(value.strip()[:-1]) / 100)
-        except ArithmeticError:
-            raise ValueError("expected a percentage like 50%") from None
-    if isinstance(value, float):
-        if not 0 <= value <= 1:
-            raise ValueError("expected a fraction in [0, 1] of the tier (or a size like 8GiB)")
-        return value
-    n = parse_size(value)
-    if n < 4096:
-        raise ValueError(f"a share of {n} bytes; write a fraction as 0.5 or 50% (1.0: the whole tier), "
-                         "or a size like 8GiB")
-    return n
-
-
 Share = Annotated[float | int, BeforeValidator(parse_share)]
-DEFAULT_TENANT = "default"  # the tenant of namespaces whose ``namespace.tenant`` is empty
-OTHER_TENANTS = "*"  # in a tier's shares: the share of each tenant not named there
 
 
 class TenantsConfig(_Model):
@@ -294,24 +276,30 @@ class TenantsConfig(_Model):
     (empty: the tenant ``default``)."""
 
     shares: dict[Literal["l1", "l2", "remote"], dict[str, Share]] = {}
-    """Per tier, per tenant: the part of the tier a tenant keeps against the others, as a fraction
-    of the tier's capacity or a size; ``"*"`` is the share of each tenant not named. A tenant may
-    use free room beyond its share; once the tier is full, a tenant over its share evicts its own
-    blocks first, and a tenant within its share loses blocks only after every tenant over its
-    share has none left to give. A tier with no shares is one LRU for all. ``remote`` on Redis
-    needs ``remote.size``: kvstrata then keeps the key space under it itself; on the shared
-    folder ``kvstrata gc``'s sweep applies them."""
+    """Per tier, per tenant (a name of ``TENANT_NAME``): the part of the tier a tenant keeps against
+    the others, as a fraction of the tier's capacity or a size; ``"*"``: one share for all the
+    tenants not named, together (one holder: a tenant gains nothing by storing under more names).
+    The shares may add up to the tier at most. A tenant may use free room beyond its share; once
+    the tier is full, a holder over its share evicts its own blocks first, and a holder within
+    its share loses blocks only after every holder over its share has none left to give. Within
+    ``"*"`` the tenants not named are one LRU. A tier with no shares is one LRU for all. ``remote``
+    on Redis needs ``remote.size``: kvstrata then keeps the key space under it itself; on the
+    shared folder ``kvstrata gc``'s sweep applies them."""
 
     @field_validator("shares")
     @classmethod
     def _fit(cls, v: dict[str, dict[str, float | int]]) -> dict[str, dict[str, float | int]]:
+        """Names, and fractions that fit the tier (sizes: ``StrataConfig._shares_fit``)."""
         for tier, shares in v.items():
             for name in shares:
-                if not 0 < len(name) <= 64 or not name.isprintable():
-                    raise ValueError(f"{tier}: tenant name {name[:80]!r} must be 1 to 64 printable characters")
-            total = sum(s for name, s in shares.items() if isinstance(s, float) and name != OTHER_TENANTS)
+                if name != OTHER_TENANTS:
+                    try:
+                        check_tenant_name(name)
+                    except ValueError as e:
+                        raise ValueError(f"{tier}: {e}") from None
+            total = sum(s for s in shares.values() if isinstance(s, float))
             if total > 1 + 1e-9:
-                raise ValueError(f"{tier}: the named tenants' fractions add up to {total:g}, more than the "
+                raise ValueError(f"{tier}: the fractions ({listed_shares(shares)}) add up to {total:g}, more than the "
                                  "whole tier (1.0)")
         return v
 
@@ -341,6 +329,22 @@ class StrataConfig(_Model):
         if "size" not in remote.model_fields_set:
             raise ValueError("tenants.shares.remote on Redis needs remote.size set: the bytes of the key space "
                              "kvstrata keeps, tenant by tenant (below Redis' maxmemory, which must not evict)")
+        return self
+
+    @model_validator(mode="after")
+    def _shares_fit(self) -> "StrataConfig":
+        """Every enabled tier's shares, fractions and sizes together, fit its capacity: else one
+        holder's guarantee would be taken from another's."""
+        sizes = {"l1": ("l1.size", self.l1.size), "l2": ("l2.size", self.l2.size if self.l2.enabled else None),
+                 "remote": ("remote.size", self.remote.size if self.remote.enabled else None)}
+        for tier, shares in self.tenants.shares.items():
+            key, capacity = sizes[tier]
+            if capacity is None:
+                continue
+            taken = sum(int(s * capacity) if isinstance(s, float) else s for s in shares.values())
+            if taken > capacity:
+                raise ValueError(f"tenants.shares.{tier}: the shares ({listed_shares(shares)}) take {taken} bytes, more "
+                                 f"than the tier ({key}: {capacity} bytes)")
         return self
 
     @property

@@ -67,10 +67,12 @@ class FileEpochs(PolledEpochs):
 
     def __init__(self, root: Path, modes: tuple[int, int] = (0o700, 0o600), *, shared: bool = False,
                  refresh_s: float = 0.0, bound_s: float | None = 0.0, auth: Auth | None = None,
-                 counters: Counters | None = None, counter_prefix: str = "l2", local_floor: Path | None = None) -> None:
+                 counters: Counters | None = None, counter_prefix: str = "l2", local_floor: Path | None = None,
+                 max_age_s: float = 3600.0) -> None:
         """``modes``: of the folder (if created here) and of the files written; a shared folder
         passes its group bits so that every instance of the group can read and replace them.
-        ``local_floor``: a folder of this host's where the epoch floor is kept too (with ``auth``)."""
+        ``local_floor``: a folder of this host's where the epoch floor is kept too (with ``auth``).
+        ``max_age_s``: how old a value an instance with no floor of its own accepts (``epochs/floor.py``)."""
         self._root = root
         self._auth, self._counters, self._cp = auth, counters, counter_prefix
         self._domain = counter_prefix
@@ -82,7 +84,7 @@ class FileEpochs(PolledEpochs):
         self._failing = False
         self._floor = None if auth is None else Floor(
             auth, b"epoch:" + self._domain.encode(), bytes.hex, self._domain, local_floor, self._read_floor,
-            self._write_floor, counters)
+            self._write_floor, counters, max_age_s)
 
     def _path(self, ns_seed: bytes) -> Path:
         return self._root / ns_seed.hex()
@@ -121,10 +123,11 @@ class FileEpochs(PolledEpochs):
                 raw = read_head(path, VALUE_BYTES)
             except FileNotFoundError:
                 continue
-            epoch, counter, forged = self._parse(ns_seed, raw)
+            epoch, counter, sealed, forged = self._parse(ns_seed, raw)
             if forged:
                 self._count("auth_epochs")
-            replayed = epoch is not None and self._floor is not None and not self._floor.allows(ns_seed, epoch, counter)
+            replayed = epoch is not None and self._floor is not None and not self._floor.allows(
+                ns_seed, epoch, counter, sealed)
             if epoch is None or replayed or (ns_seed, epoch) in self.retired:
                 what = "a retired epoch" if epoch is not None else f"no valid epoch ({raw[:32]!r})"
                 if forged:
@@ -135,17 +138,39 @@ class FileEpochs(PolledEpochs):
                 continue
             if self._floor is not None:
                 self._floor.raise_to(ns_seed, epoch, counter)
+                if self._floor.stale(sealed):
+                    self._reseal(ns_seed, epoch, counter, raw)
             self._cache[ns_seed] = (stamp, epoch)
             return epoch
         raise OSError(f"kvstrata epochs: {path} keeps changing; cannot read a stable epoch")
 
-    def _parse(self, ns_seed: bytes, raw: bytes) -> tuple[int | None, int, bool]:
-        """The epoch an epoch file's bytes hold (None: none), its counter (0 without a secret), and
-        whether they failed their MAC."""
+    def _parse(self, ns_seed: bytes, raw: bytes) -> tuple[int | None, int, int, bool]:
+        """The epoch an epoch file's bytes hold (None: none), its counter and the second it was
+        sealed (0 and 0 without a secret), and whether they failed their MAC."""
         if self._auth is None:
-            return parse_epoch(raw[:64]), 0, False
+            return parse_epoch(raw[:64]), 0, 0, False
         opened = open_epoch(self._auth, b"epoch:" + self._domain.encode(), ns_seed.hex(), raw)
-        return (None, 0, True) if opened is None else (*opened, False)
+        return (None, 0, 0, True) if opened is None else (*opened, False)
+
+    def _fresh(self, ns_seed: bytes) -> int:
+        """A new epoch for a value lost or refused, of the newest weights generation the floor knows
+        (see ``RedisEpochs._fresh``)."""
+        return new_epoch(0 if self._floor is None else self._floor.generation(ns_seed))
+
+    def _reseal(self, ns_seed: bytes, epoch: int, counter: int, raw: bytes) -> None:
+        """Seal the value in use again (same epoch, next counter, the time now) if the file still
+        holds ``raw`` (best effort: see ``RedisEpochs._reseal``)."""
+        path = self._path(ns_seed)
+        try:
+            with self._locked(ns_seed):
+                if not self._holds(path, raw):
+                    return
+                text = self._text(ns_seed, epoch, counter)
+                write_atomic(path, text, self._file_mode)
+            assert self._floor is not None
+            self._floor.raise_to(ns_seed, epoch, self._parse(ns_seed, text.encode())[1])
+        except OSError as e:  # the value stays as it was, still valid
+            log.debug("kvstrata epochs: could not seal %s again: %s", path, e)
 
     def _count(self, kind: str) -> None:
         if self._counters is not None:
@@ -173,7 +198,8 @@ class FileEpochs(PolledEpochs):
 
     def _create(self, path: Path) -> None:
         tmp = temp_name(path, "new")
-        write_new(tmp, self._text(bytes.fromhex(path.name), new_epoch()), self._file_mode)
+        ns_seed = bytes.fromhex(path.name)
+        write_new(tmp, self._text(ns_seed, self._fresh(ns_seed)), self._file_mode)
         try:
             os.link(tmp, path)  # atomic create-if-absent: the first creator wins
         except FileExistsError:
@@ -189,7 +215,7 @@ class FileEpochs(PolledEpochs):
         path = self._path(ns_seed)
         with self._locked(ns_seed):
             if self._holds(path, raw):
-                write_atomic(path, self._text(ns_seed, new_epoch()), self._file_mode)
+                write_atomic(path, self._text(ns_seed, self._fresh(ns_seed)), self._file_mode)
 
     @staticmethod
     def _holds(path: Path, raw: bytes | None) -> bool:
@@ -211,7 +237,7 @@ class FileEpochs(PolledEpochs):
             counter = 0
             if expected is not None:
                 try:
-                    stored, counter, _ = self._parse(ns_seed, read_head(path, VALUE_BYTES))
+                    stored, counter, _, _ = self._parse(ns_seed, read_head(path, VALUE_BYTES))
                 except OSError:  # missing, or not a regular file: the next read repairs it
                     stored = None
                 if stored != expected:

@@ -269,6 +269,24 @@ class PolledEpochs(EpochStore):
         for ns_seed in pending:
             self._current(ns_seed)
 
+    def refresh(self, ns_seed: bytes) -> None:
+        """Read a namespace this instance uses now if it is due (an announcement came): a background
+        thread's read, so that an idle instance learns of a reset made elsewhere as it is made, not
+        at its next lookup (by then the epoch state may be lost: ``joins``)."""
+        with self._lock:
+            known = ns_seed in self._known
+        if known:
+            self._current(ns_seed)
+
+    def refresh_idle(self, every_s: float = 1.0) -> None:
+        """Read, from a background thread, every namespace this instance uses that was announced or
+        that no read confirmed for ``every_s`` (no lookup used it: an idle instance)."""
+        old = time.monotonic() - max(every_s, self._refresh_s)
+        with self._lock:
+            due = [seed for seed, (_, sent) in self._known.items() if seed in self._recheck or -math.inf < sent < old]
+        for ns_seed in due:
+            self._current(ns_seed)
+
     def changed(self, ns_seed: bytes) -> None:
         """An announcement: re-read that namespace at its next use. It never sets an epoch,
         so a forged or late one costs a read, nothing more."""

@@ -83,7 +83,8 @@ class RedisEpochs(PolledEpochs):
         self._stop = threading.Event()
         self.listening = threading.Event()  # set while the subscriber is subscribed
         self._high = None if self._auth is None else Floor(
-            self._auth, b"epoch", self._key, "redis", floor, self._read_floor, self._write_floor, tier.counters)
+            self._auth, b"epoch", self._key, "redis", floor, self._read_floor, self._write_floor, tier.counters,
+            cfg.epoch_max_age_s)
         self._thread = threading.Thread(target=self._listen, name="kvstrata-epochs", daemon=True)
         self._thread.start()
 
@@ -91,11 +92,18 @@ class RedisEpochs(PolledEpochs):
         return f"{self._p}:epoch:{ns_seed.hex()}"
 
     def _seal(self, ns_seed: bytes, epoch: int, replaced: int = 0) -> str | bytes:
-        """An epoch value as stored: its decimal text, with a secret followed by its MAC and its
-        counter (above ``replaced``, the counter of the value it replaces, and the floor)."""
+        """An epoch value as stored: its decimal text, with a secret followed by its MAC, its
+        counter (above ``replaced``, the counter of the value it replaces, and the floor) and the
+        second it was sealed."""
         if self._auth is None or self._high is None:
             return str(epoch)
         return seal_epoch(self._auth, b"epoch", self._key(ns_seed), epoch, self._high.next(ns_seed, replaced))
+
+    def _fresh(self, ns_seed: bytes) -> int:
+        """A new epoch for a value lost or refused: of the newest weights generation the floor knows
+        (0 without a secret), so that losing the value never lets an instance that missed a reset
+        back in (``joins``)."""
+        return new_epoch(0 if self._high is None else self._high.generation(ns_seed))
 
     def _read_floor(self, ns_seed: bytes) -> bytes | None:
         try:
@@ -125,18 +133,21 @@ class RedisEpochs(PolledEpochs):
                     raise
                 kind = client.type(key)
                 reject("remote_wrong_type", "%s is a %s, not an epoch; starting a new one", key, shown(kind))
-                client.eval(self._RETYPE, 1, key, kind, self._seal(ns_seed, new_epoch()))
+                client.eval(self._RETYPE, 1, key, kind, self._seal(ns_seed, self._fresh(ns_seed)))
                 continue
             if raw == b"" and not created:  # missing (or empty): create one, first creator wins
                 created = True
-                client.set(key, self._seal(ns_seed, new_epoch()), nx=True)
+                client.set(key, self._seal(ns_seed, self._fresh(ns_seed)), nx=True)
                 continue
-            epoch, counter = self._parse(key, raw)
+            epoch, counter, sealed = self._parse(key, raw)
             forged = epoch is None and self._auth is not None
-            replayed = epoch is not None and self._high is not None and not self._high.allows(ns_seed, epoch, counter)
+            replayed = epoch is not None and self._high is not None and not self._high.allows(
+                ns_seed, epoch, counter, sealed)
             if epoch is not None and not replayed and (ns_seed, epoch) not in self.retired:
                 if self._high is not None:
                     self._high.raise_to(ns_seed, epoch, counter)
+                    if self._high.stale(sealed):
+                        self._reseal(ns_seed, key, raw, epoch, counter)
                 return epoch
             if replayed:  # counted and logged by the floor
                 pass
@@ -149,7 +160,7 @@ class RedisEpochs(PolledEpochs):
                 reject("remote_epoch_rollbacks", "%s went back to epoch %d, which was replaced earlier "
                        "(restored snapshot?); starting a new one", key, epoch)
             try:
-                client.eval(self._CAS, 1, key, raw, self._seal(ns_seed, new_epoch()), _EPOCH_BYTES)
+                client.eval(self._CAS, 1, key, raw, self._seal(ns_seed, self._fresh(ns_seed), counter), _EPOCH_BYTES)
             except Exception as e:  # it changed type meanwhile: read it again
                 if not is_wrong_type(e) and "WRONGTYPE" not in str(e):
                     raise
@@ -171,7 +182,7 @@ class RedisEpochs(PolledEpochs):
             if is_wrong_type(e):  # not an epoch: the next read repairs it
                 return False
             raise
-        stored, counter = self._parse(key, raw)
+        stored, counter, _ = self._parse(key, raw)
         if stored != expected:
             return False
         value = self._seal(ns_seed, epoch, counter)
@@ -186,17 +197,28 @@ class RedisEpochs(PolledEpochs):
         return written
 
     def _raise_floor(self, key: str, ns_seed: bytes, value: str | bytes) -> None:
-        epoch, counter = self._parse(key, value if isinstance(value, bytes) else value.encode())
+        epoch, counter, _ = self._parse(key, value if isinstance(value, bytes) else value.encode())
         if self._high is not None and epoch is not None:
             self._high.raise_to(ns_seed, epoch, counter)
 
-    def _parse(self, key: str, raw: bytes) -> tuple[int | None, int]:
-        """The epoch a value holds, its MAC checked with a secret (None for anything else), and its
-        counter (0 without a secret, or in a value of the format before counters)."""
+    def _reseal(self, ns_seed: bytes, key: str, raw: bytes, epoch: int, counter: int) -> None:
+        """Seal the value in use again (same epoch, next counter, the time now) if it still holds
+        ``raw``: a fleet in use keeps its value younger than ``epoch_max_age_s``. Best effort: another
+        instance's re-seal or change wins, and a failure is the next read's to retry."""
+        value = self._seal(ns_seed, epoch, counter)
+        try:
+            if self._tier.client.eval(self._CAS, 1, key, raw, value, _EPOCH_BYTES):
+                self._raise_floor(key, ns_seed, value)
+        except Exception as e:  # the I/O edge: the value stays as it was, still valid
+            log.debug("kvstrata remote: could not seal %s again: %s", key, e)
+
+    def _parse(self, key: str, raw: bytes) -> tuple[int | None, int, int]:
+        """The epoch a value holds, its MAC checked with a secret (None for anything else), its
+        counter and the second it was sealed (0 and 0 without a secret, or in older formats)."""
         if self._auth is None:
-            return parse_epoch(raw[:64]), 0
+            return parse_epoch(raw[:64]), 0, 0
         opened = open_epoch(self._auth, b"epoch", key, raw)
-        return (None, 0) if opened is None else opened
+        return (None, 0, 0) if opened is None else opened
 
     def _announce(self, ns_seed: bytes) -> None:
         try:
@@ -300,6 +322,7 @@ class RedisEpochs(PolledEpochs):
                               self._channel, shown(data))
             return
         self.changed(seed)
+        self.refresh(seed)  # read it now: an idle instance learns of a reset as it is made
 
     def _listen(self) -> None:
         errors, failing = service_errors(), False
@@ -315,11 +338,12 @@ class RedisEpochs(PolledEpochs):
                 while not self._stop.is_set():
                     self._tier.breaker.trial(self._tier.client.ping)  # an open circuit's trial, not a request's
                     self.write_pending()  # a reset Redis refused is written as soon as it answers
+                    self.refresh_idle()  # what no lookup read lately (an idle instance) is read here
                     msg = pubsub.get_message(timeout=1.0)
                     if msg and msg.get("type") == "message":
                         self._forget(msg.get("data"))
                     elif msg and msg.get("type") == "subscribe":  # listening (again) from here:
-                        self.changed_all()  # what was announced before is re-read at the next use
+                        self.changed_all()  # what was announced before is re-read now
                         self._tier.breaker.trial(self._tier.client.ping, now=True)  # saves resume now
                         self.listening.set()
             except errors as e:  # reconnect with a pause; polling in get() covers the gap

@@ -8,10 +8,10 @@ from __future__ import annotations
 from kvstrata.config import StrataConfig
 from kvstrata.store.block_store import BlockStore
 from kvstrata.store.protocol import (TOLERANCES, Arena, ByteRuns, Comparison, GroupHit, GroupRule, Hit, Reservation,
-                                     Segment, StoreFigures, StoreProtocol)
+                                     Segment, StoreFigures, StoreProtocol, TokenMap)
 
 __all__ = ["Arena", "BlockStore", "ByteRuns", "Comparison", "GroupHit", "GroupRule", "Hit", "Reservation",
-           "Segment", "StoreFigures", "StoreProtocol", "TOLERANCES", "open_store"]
+           "Segment", "StoreFigures", "StoreProtocol", "TOLERANCES", "TokenMap", "open_store"]
 
 
 def open_store(config: StrataConfig | None = None, *, l1_slot_bytes: int = 0,

@@ -265,18 +265,25 @@ class BlockStore(KeyMethods):
         return self._writer.save_runs(self._scopes.own(ns), epoch, chain, runs)
 
     # ---------------------------------------------------------- verified hits
-    def prepare_verify(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
+    def prepare_verify(self, ns: Namespace, epoch: int, chain: BlockChain, size: int, *,
+                       tails: bool = False) -> Reservation:
         """Scratch L1 slots for the full blocks of ``chain`` that *are* stored (``prepare_store``
-        reserves the others): the caller fills them with the blocks the engine computed for those
-        keys, as for a save, then calls ``complete_verify``. Never published (``verify.py``)."""
-        return self._verifier.prepare_verify(self._scopes.own(ns), epoch, chain, size)
+        reserves the others), and with ``tails`` its stored partial blocks: the caller fills them
+        with the blocks the engine computed for those keys, as for a save, then calls
+        ``complete_verify``. Never published (``verify.py``)."""
+        return self._verifier.prepare_verify(self._scopes.own(ns), epoch, chain, size, tails=tails)
 
-    def complete_verify(self, res: Reservation, segments: Sequence[Segment], success: bool = True) -> list[Comparison]:
+    def complete_verify(self, res: Reservation, segments: Sequence[Segment], success: bool = True, *,
+                        wait: bool = False) -> list[Comparison]:
         """Compare the filled scratch slots with the stored blocks (per ``segments``: each layer's
-        part of a block, in its dtype) and give the slots back; a stored block that differs is
-        deleted from every tier, counted and logged (``verify.on_mismatch``). With ``success``
-        False (a slot was not filled) only the slots go back."""
-        return self._verifier.complete_verify(res, segments, success)
+        part of a block, in its dtype; a partial block over its tokens' values, ``Segment.tokens``)
+        and give the slots back; a stored block that differs is deleted from every tier, counted
+        and logged (``verify.on_mismatch``). On a thread of its own, never the caller's (it reads
+        and deletes from tiers): returns ``[]`` at once, or skips and counts it
+        (``verify_skipped``) when ``verify.queue_blocks`` blocks already wait. ``wait``: on this
+        thread, returning the comparisons (tests, tools). With ``success`` False (a slot was not
+        filled) only the slots go back."""
+        return self._verifier.complete_verify(res, segments, success, wait=wait)
 
     @property
     def direct_writes(self) -> bool:
@@ -305,6 +312,11 @@ class BlockStore(KeyMethods):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued saves (tests, shutdown)."""
         return self._parts.saver.flush(timeout)
+
+    def wait_verified(self, timeout: float | None = None) -> bool:
+        """Wait until every queued comparison of verified hits is done (``complete_verify`` runs
+        them on a thread of its own): settled figures for tests and tools."""
+        return self._verifier.wait_idle(timeout)
 
     # ------------------------------------------------- invalidation, gc, stats
     def invalidate(self, ns_seed: bytes) -> int | None:
@@ -368,7 +380,7 @@ class BlockStore(KeyMethods):
         if self._parts.recovery is not None:
             self._parts.recovery.stop()
         self._parts.saver.close()
-        self._verifier.flush()  # what this process verified, into the namespaces' records (kvstrata stats)
+        self._verifier.close()  # queued comparisons, then what this process verified into the namespaces' records
         self._parts.epochs.close()
         for tier in self._parts.tiers:
             tier.close()

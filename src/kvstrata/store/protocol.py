@@ -25,7 +25,8 @@ import numpy as np
 
 from kvstrata.index import EntryMeta, Lease
 from kvstrata.keys import BlockChain, Extra, KeyScheme, Namespace
-from kvstrata.verify.compare import TOLERANCES, Comparison, Segment  # verified hits: a block's layers, a verdict
+from kvstrata.verify.compare import (TOLERANCES, Comparison, Segment,  # verified hits: a block's layers, a verdict
+                                     TokenMap)
 
 if TYPE_CHECKING:
     import torch
@@ -183,7 +184,8 @@ class StoreProtocol(Protocol):
     - stores: ``prepare_store`` then ``complete_store`` (the caller fills fresh L1 slots),
       ``save`` (queued) / ``save_now`` / ``save_runs`` (straight to disk from the caller's memory);
     - verified hits: ``prepare_verify`` then ``complete_verify`` (the caller fills scratch L1 slots
-      with the blocks the engine computed for stored keys; a stored block that differs is deleted);
+      with the blocks the engine computed for stored keys; the comparison runs on a thread of the
+      store's, and a stored block that differs is deleted);
     - figures: ``count_served``, ``snapshot``, ``figures`` (what an engine's metrics export),
       ``listen`` (tier changes), ``tier_bits``;
     - control: ``describe``, ``invalidate`` (a flush every instance adopts), ``reset`` (the
@@ -235,8 +237,10 @@ class StoreProtocol(Protocol):
     def save_now(self, ns: Namespace, epoch: int, chain: BlockChain, src: Any) -> int: ...
     def save_runs(self, ns: Namespace, epoch: int, chain: BlockChain, runs: ByteRuns) -> int: ...
 
-    def prepare_verify(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation: ...
-    def complete_verify(self, res: Reservation, segments: Sequence[Segment], success: bool = True) -> list[Comparison]: ...
+    def prepare_verify(self, ns: Namespace, epoch: int, chain: BlockChain, size: int, *,
+                       tails: bool = False) -> Reservation: ...
+    def complete_verify(self, res: Reservation, segments: Sequence[Segment], success: bool = True, *,
+                        wait: bool = False) -> list[Comparison]: ...
 
     def count_served(self, origins: Sequence[str], tokens: Sequence[int], *, copied_from_l1: bool = True,
                      l1_bytes: int = 0) -> None: ...

@@ -21,14 +21,14 @@ _Job = tuple[int, Callable[[], None], Callable[[], None] | None]
 
 
 class Saver:
-    def __init__(self, max_blocks: int, threads: int = 1) -> None:
+    def __init__(self, max_blocks: int, threads: int = 1, name: str = "save") -> None:
         self._max = max_blocks
         self._pending = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._threads = [
-            threading.Thread(target=self._run, name=f"kvstrata-save-{i}", daemon=True)
+            threading.Thread(target=self._run, name=f"kvstrata-{name}-{i}", daemon=True)
             for i in range(threads)
         ]
         for t in self._threads:
@@ -102,8 +102,8 @@ class Saver:
         with self._lock:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
-    def close(self) -> None:
-        self.flush(timeout=30)
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush(timeout=timeout)
         for _ in self._threads:
             self._queue.put(None)
         for t in self._threads:

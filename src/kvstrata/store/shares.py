@@ -2,9 +2,10 @@
 
 Without shares on a tier, its least recently used unpinned blocks (cause ``lru``). With shares,
 what each tenant holds there is counted from the index (one vectorized pass per call: a batch of
-evictions, never a block), ``TierShares.eviction_order`` names the tenants that give, and each
-gives its own least recently used blocks, no more than it is over its share (at least one), so
-that a tenant is not pushed below its share while another one still has blocks over its own.
+evictions, never a block), ``TierShares.eviction_order`` names the holders of shares that give
+(a named tenant, or ``"*"``: every tenant not named, together), and each gives the least recently
+used blocks of its tenants, no more than it is over its share (at least one), so that a holder is
+not pushed below its share while another one still has blocks over its own.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def victims(parts: Parts, tier: BlockTier, n: int, writer: bytes | None = None,
     owners = tenants.tenants(seeds)
     usage = {t: b for t, (b, _c) in _by_tenant(tier, owners, nbytes[0], blocks[0]).items()}
     who = None if writer is None else tenants.tenant_of(writer)
-    for tenant, cause, over in policy.eviction_order(usage, tier.capacity_bytes, who, incoming):
-        rows = index.lru_victims(tier.bit, n, [s for s, o in zip(seeds, owners) if o == tenant])
+    for holder, cause, over in policy.eviction_order(usage, tier.capacity_bytes, who, incoming):
+        rows = index.lru_victims(tier.bit, n, [s for s, t in zip(seeds, owners) if policy.holder(t) == holder])
         picked, freed = [], 0
         for row in rows:
             if picked and freed >= over:
@@ -47,9 +48,10 @@ def victims(parts: Parts, tier: BlockTier, n: int, writer: bytes | None = None,
 
 def tenant_report(parts: Parts, resident: Mapping[str, int] | None = None) -> dict[str, dict[str, dict[str, int]]]:
     """Per tier, per tenant: bytes of the tier's capacity, blocks and the share in bytes (``kvstrata
-    stats``, the gauges). A tier that keeps its own account across instances says (``tenant_usage``);
-    else, with one namespace in the index and ``resident``'s figures given, those are its tenant's;
-    else one pass over the index for every tier."""
+    stats``, the gauges; a tenant not named: the ``"*"`` share, which it holds with the others not
+    named). A tier that keeps its own account across instances says (``tenant_usage``); else, with
+    one namespace in the index and ``resident``'s figures given, those are its tenant's; else one
+    pass over the index for every tier."""
     seeds = parts.index.namespace_seeds()
     one = parts.tenants.tenant_of(seeds[0]) if resident is not None and len(seeds) == 1 else None
     counted: tuple[list[str], np.ndarray, np.ndarray] | None = None

@@ -6,20 +6,36 @@ what a mismatch does: the block deleted from every tier, counted, logged, and wi
 The adapters choose which requests are verified (``verify.sample_rate``) and make the engine
 compute their prefix instead of loading it; they fill the scratch slots exactly as a save's, from
 the blocks the engine computed, and name each layer's part of a block (``verify.compare.Segment``).
-A scratch slot is never published: nobody but ``complete_verify`` reads it, and it goes back to
-L1's free slots at once.
+A scratch slot is never published: nobody but the comparison reads it, and it goes back to L1's
+free slots once compared.
+
+The comparison reads tiers (the stored copy), deletes from them (a mismatch) and writes the
+verification record, so it never runs on the caller's thread, which is an engine's scheduler:
+``complete_verify`` queues it for a thread of its own (``saver.Saver``'s bounded queue, at most
+``verify.queue_blocks`` blocks waiting) and returns. A slow or hung tier holds up comparisons,
+never a step: past the bound a verification is skipped, its slots given back, and counted
+(``verify_skipped``), as are blocks whose stored copy no tier could read.
+
+Which copy is compared: the stored block is read from a tier chosen at random among those that
+hold it (L1, L2, the shared tier), then from the others if that read fails. Reading the copy a
+load would use (L1 first) would leave a wrong shared-tier copy, the one every other instance
+loads, unchecked for as long as this instance holds a right one in L1.
+
+A partial block (a prompt's tail) is verified where the caller asks (``tails=True``) and its
+segments say which token each value is of (``compare.TokenMap``): over its tokens' values only.
 
 Counted per tier the stored block was read from (``verify_checks_<tier>``,
 ``verify_mismatches_<tier>``), per namespace in ``stats()["verify"]`` and in the namespace's
 verification record beside its epoch (``verify/record.py``; ``kvstrata stats`` of any process reads
 it), and each block's worst error is a sample of ``verify_error`` (a histogram). This process adds
 to the record at once after a mismatch, at most every ``RECORD_EVERY_S`` after checks (at
-``sample_rate`` 1.0 not a write per check), and at ``BlockStore.close`` (``flush``).
+``sample_rate`` 1.0 not a write per check), and at ``BlockStore.close`` (``close``).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +49,8 @@ from kvstrata.keys import BlockChain, Namespace
 from kvstrata.store.evict import Evictor
 from kvstrata.store.parts import Parts
 from kvstrata.store.protocol import Reservation
-from kvstrata.verify.compare import TOLERANCES, Comparison, Segment, compare
+from kvstrata.store.saver import Saver
+from kvstrata.verify.compare import TOLERANCES, Comparison, Segment, comparable, compare
 from kvstrata.verify.record import Mismatch, Record, decode as decode_record, encode as encode_record, mismatch
 
 log = logging.getLogger(__name__)
@@ -68,75 +85,111 @@ class Verifier:
     _lock: threading.Lock = field(default_factory=threading.Lock)  # the tallies
     _writing: threading.Lock = field(default_factory=threading.Lock)  # one read-add-write of a record at a time
     _failing: bool = False  # a record write failed last time: say so once per failing spell
+    rng: random.Random = field(default_factory=random.Random)  # which tier's copy is compared
 
     def __post_init__(self) -> None:
         tolerances = dict(TOLERANCES)
         for name, value in self.parts.config.verify.tolerances.items():
             tolerances[DTYPE_NAMES[name]] = value
         self.tolerances = tolerances
+        self._queue = Saver(self.parts.config.verify.queue_blocks, threads=1, name="verify")
 
     # ------------------------------------------------------------ slots
-    def prepare_verify(self, ns: Namespace, epoch: int, chain: BlockChain, size: int) -> Reservation:
-        """Scratch L1 slots for the full blocks of ``chain`` that are validly stored now (what
+    def prepare_verify(self, ns: Namespace, epoch: int, chain: BlockChain, size: int, *,
+                       tails: bool = False) -> Reservation:
+        """Scratch L1 slots for the blocks of ``chain`` that are validly stored now (what
         ``prepare_store`` leaves out): ``res.metas[i]`` names the block the caller copies into
-        ``res.slots[i]``. Partial blocks are left out: the engine's block holds other bytes past
-        their tokens. Never published; ``complete_verify`` gives the slots back."""
+        ``res.slots[i]``. Partial blocks only with ``tails`` (the caller's segments then say which
+        token each value is of: past its tokens the engine's block holds other bytes). Never
+        published; ``complete_verify`` gives the slots back."""
         if not chain.keys:
             return Reservation([], [])
         stored = self.parts.index.valid_mask(ns.seed, epoch, chain)
-        metas = [EntryMeta(chain.keys[i], chain.parents[i], chain.fps[i], chain.lengths[i], ns.seed, epoch, size, 0)
-                 for i in np.flatnonzero(stored).tolist() if chain.lengths[i] == ns.block_size]
+        bs = ns.block_size
+        metas = [EntryMeta(chain.keys[i], chain.parents[i], chain.fps[i], chain.lengths[i], ns.seed, epoch, size, 0,
+                           chain.lengths[i] < bs)
+                 for i in np.flatnonzero(stored).tolist() if chain.lengths[i] == bs or (tails and chain.lengths[i] < bs)]
         return self.evictor.reserve_slots(metas)
 
-    def complete_verify(self, res: Reservation, segments: Sequence[Segment], success: bool = True) -> list[Comparison]:
+    def complete_verify(self, res: Reservation, segments: Sequence[Segment], success: bool = True, *,
+                        wait: bool = False) -> list[Comparison]:
         """Compare each filled scratch slot of ``res`` with the stored block of its key, give the
-        slots back, and delete every stored block that differs (see the module docstring). Blocks
-        no tier holds any more, or whose stored copy cannot be read, are not compared. Returns the
-        comparisons made, in ``res`` order of the blocks compared."""
+        slots back, and delete every stored block that differs (see the module docstring): on the
+        comparison thread, returning at once (``[]``; skipped and counted when its queue is full),
+        or, with ``wait``, on this thread, returning the comparisons made, in ``res`` order of the
+        blocks compared. Blocks no tier holds any more, or whose stored copy cannot be read, are
+        not compared."""
         parts = self.parts
-        try:
-            if not success or not res.slots or parts.l1.data is None:
-                return []
-            return self._compare(res, segments)
-        finally:
+        if not success or not res.slots or parts.l1.data is None:
             parts.l1.release(res.slots)
+            return []
+        if wait:
+            return self._compare(res, segments)
+        if not self._queue.submit(len(res.slots), lambda: self._compare(res, segments)):
+            parts.l1.release(res.slots)
+            parts.counters.inc("verify_skipped", len(res.slots))
+            log.debug("kvstrata: %d blocks not verified: %d blocks already wait for their comparison "
+                      "(verify.queue_blocks; a slow tier?)", len(res.slots), self.parts.config.verify.queue_blocks)
+        return []
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every queued comparison is done (``BlockStore.wait_verified``)."""
+        return self._queue.flush(timeout)
 
     def _compare(self, res: Reservation, segments: Sequence[Segment]) -> list[Comparison]:
+        """The comparisons of ``res`` (see ``complete_verify``); its slots go back in any case."""
+        try:
+            return self._compare_slots(res, segments)
+        finally:
+            self.parts.l1.release(res.slots)
+
+    def _compare_slots(self, res: Reservation, segments: Sequence[Segment]) -> list[Comparison]:
         parts = self.parts
         data = parts.l1.data
         assert data is not None
         keys = [m.key for m in res.metas]
         rows, lease = parts.index.pin_keys(keys, leading=False)  # each stored copy stays while read
         done: list[tuple[EntryMeta, str, Comparison]] = []
+        unread = 0
         try:
             metas = parts.index.metas(np.maximum(rows, 0), keys)
             bits = parts.index.tiers_of(np.maximum(rows, 0)).tolist()
             stored = torch.empty(res.metas[0].size, dtype=torch.uint8)
             for i, (meta, row) in enumerate(zip(metas, rows.tolist())):
-                if row < 0 or meta is None or meta.size != res.metas[i].size:
+                if row < 0 or meta is None or meta.size != res.metas[i].size or meta.ntok != res.metas[i].ntok:
+                    continue
+                tokens = meta.ntok if res.metas[i].tail else None
+                if not comparable(segments, tokens):
+                    unread += 1
                     continue
                 tier = self._read(meta, bits[i], stored)
-                if tier is not None:
-                    done.append((meta, tier, compare(stored, data[res.slots[i], : meta.size], segments,
-                                                     self.tolerances)))
+                if tier is None:
+                    unread += 1
+                    continue
+                done.append((meta, tier, compare(stored, data[res.slots[i], : meta.size], segments,
+                                                 self.tolerances, tokens)))
         finally:
             if lease is not None:
                 parts.index.unpin(lease)
+        if unread:
+            parts.counters.inc("verify_skipped", unread)
         for meta, tier, result in done:  # unpinned: a mismatching block's L1 copy can go at once
             self._count(meta, tier, result)
         self.record()
         return [result for _meta, _tier, result in done]
 
     def _read(self, meta: EntryMeta, bits: int, out: torch.Tensor) -> str | None:
-        """The stored copy of ``meta`` into ``out``, from the tier a load would serve it from (L1
-        where resident, else the first backing tier): that tier's name, or None if unread."""
+        """The stored copy of ``meta`` into ``out``, from a tier chosen at random among those that
+        hold it, then the others in turn if that read fails: that tier's name, or None if unread."""
         parts = self.parts
-        if bits & parts.l1.bit and parts.l1.read(meta, out):
-            return parts.l1.name
-        for tier in parts.backing:
-            if bits & tier.bit:
-                if tier.read(meta, out):
-                    return tier.name
+        holders = [tier for tier in parts.tiers if bits & tier.bit]
+        if not holders:
+            return None
+        first = self.rng.randrange(len(holders))
+        for tier in holders[first:] + holders[:first]:
+            if tier.read(meta, out):
+                return tier.name
+            if tier is not parts.l1:
                 parts.index.drop_tier(meta.key, tier.bit)  # the tier dropped a bad copy
         return None
 
@@ -220,8 +273,10 @@ class Verifier:
                         tally = self._tallies[seed]
                         tally.pending = delta.added(tally.pending)
 
-    def flush(self) -> None:
-        """Write what every namespace's record still lacks (``BlockStore.close``)."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the queued comparisons (waiting ``timeout`` at most), then write what every
+        namespace's record still lacks (``BlockStore.close``)."""
+        self._queue.close(timeout)
         self.record(force=True)
 
     def _add_to_record(self, seed: bytes, delta: Record) -> bool:

@@ -52,7 +52,7 @@ def _fs(counters: Counters, cfg: RemoteConfig, floor: Path | None, auth: Auth | 
     bound = None if cfg.allow_stale_epoch else cfg.staleness_bound_s
     return tier, FileEpochs(tier.root / "epochs", tier.modes(), shared=True,
                             refresh_s=cfg.invalidation_ms / 1000, bound_s=bound, auth=auth, counters=counters,
-                            counter_prefix="remote", local_floor=floor)
+                            counter_prefix="remote", local_floor=floor, max_age_s=cfg.epoch_max_age_s)
 
 
 REMOTE_BACKENDS: dict[str, Callable[..., tuple[BlockTier, EpochStore]]] = {  # (counters, cfg, floor, auth, shares, tenant_of)

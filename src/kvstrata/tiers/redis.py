@@ -271,6 +271,8 @@ class RedisTier(BlockTier):
         if not metas:
             return []
 
+        ttl = self._cfg.block_ttl_s or None  # volatile-lru evicts these keys, never control state
+
         def publish() -> list[bool]:
             pipe = self.client.pipeline(transaction=False)
             view = memoryview(self._staging(sum(HEADER_SIZE + m.size for m in metas)))
@@ -286,13 +288,16 @@ class RedisTier(BlockTier):
                                     [view[a + HEADER_SIZE : b] for a, b in spans])
             for meta, (off, end), (header, entry) in zip(metas, spans, headers):
                 view[off : off + HEADER_SIZE] = header
-                pipe.set(self._k(meta.key, "p"), view[off:end])  # sent from the buffer, no copy
-                pipe.set(self._k(meta.key, "i"), entry)  # after the payload: the commit
+                pipe.set(self._k(meta.key, "p"), view[off:end], ex=ttl)  # sent from the buffer, no copy
+                pipe.set(self._k(meta.key, "i"), entry, ex=ttl)  # after the payload: the commit
                 n += 2
                 if meta.tail:
                     pipe.sadd(self._k(meta.parent, "t"), str(meta.ntok))
                     tails.append((n, meta))
                     n += 1
+                    if ttl:
+                        pipe.expire(self._k(meta.parent, "t"), ttl)
+                        n += 1
             replies = pipe.execute(raise_on_error=False)
             self._repair_tail_sets(tails, replies)
             failed = next((r for r in replies if isinstance(r, Exception)), None)
@@ -337,6 +342,8 @@ class RedisTier(BlockTier):
                 self.reject("remote_wrong_type", "%s is not a set of tail lengths; replacing it", name)
                 self.client.delete(name)
                 self.client.sadd(name, str(meta.ntok))
+                if self._cfg.block_ttl_s:
+                    self.client.expire(name, self._cfg.block_ttl_s)
                 replies[at] = 1
 
     def write(self, meta: EntryMeta, payload: torch.Tensor) -> bool:

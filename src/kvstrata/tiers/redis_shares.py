@@ -13,11 +13,13 @@ tag, so a tenant's three keys share one Cluster slot and one Lua script updates 
     P:tenants          the tenants' names (SADD by a process on its first write for one)
 
 Usage is one SRANDMEMBER and one MGET (``usage``), never a SCAN. Before a batch is published
-(``make_room``) the writer reads it; past ``remote.size`` the tenants ``TierShares.eviction_order``
-names give up their oldest blocks (a script pops them and lowers the counters; their values are
-then deleted), else the oldest block of all goes (``lru``). Once published, a script adds the
-members and counts the new ones (``account``). A hit renews its scores on this object's thread
-(``touch``); the gauges read a copy at most ``_REFRESH_S`` old (``cached``), renewed there too.
+(``make_room``) the writer reads it; past ``remote.size`` the holders of shares
+``TierShares.eviction_order`` names give up their oldest blocks (a script pops those of the
+holder's tenant with the oldest, no newer than its next tenant's oldest, and lowers the counters;
+their values are then deleted: ``"*"``, the tenants not named, gives as one LRU), else the oldest
+block of all goes (``lru``). Once published, a script adds the members and counts the new ones
+(``account``). A hit renews its scores on this object's thread (``touch``); the gauges read a
+copy at most ``_REFRESH_S`` old (``cached``), renewed there too.
 
 Limits (docs/tenants.md): a soft bound (concurrent writers may pass ``remote.size`` by a batch
 each, until the next write); a block deleted outside the account (a bad value, a verified
@@ -210,7 +212,7 @@ class RedisShares:
     # ---------------------------------------------------------------- writes
     def make_room(self, metas: Sequence[EntryMeta]) -> None:
         """Before ``metas`` (one tenant's batch) are published: evict until they fit in
-        ``remote.size``, by the tenants' shares (``TierShares.eviction_order``), else by LRU."""
+        ``remote.size``, by the holders' shares (``TierShares.eviction_order``), else by LRU."""
         if not metas:
             return
         writer = self._tenant_of(metas[0].ns_seed)
@@ -222,22 +224,29 @@ class RedisShares:
         if need <= 0:
             return
         held = {t: b for t, (b, _) in usage.items()}
-        for tenant, cause, over in self.policy.eviction_order(held, self.capacity, writer, incoming):
+        for holder, cause, over in self.policy.eviction_order(held, self.capacity, writer, incoming):
             if need <= 0:
                 break
-            freed, _n = self._evict(tenant, min(over, need), -1, cause)
-            need -= freed
-        for _ in range(_MAX_ROUNDS):  # nobody over its share (any more): the oldest block of all
-            if need <= 0:
+            need -= self._evict_oldest(self.policy.members(holder, held), min(over, need), cause)
+        if need > 0:  # no holder over its share (any more): the oldest block of all
+            self._evict_oldest(list(held), need, LRU)
+
+    def _evict_oldest(self, tenants: list[str], target: int, cause: str) -> int:
+        """Pop the oldest blocks of ``tenants`` together (one holder, or all) until ``target``
+        bytes are freed, at most ``_MAX_ROUNDS`` scripts; the bytes freed."""
+        freed = 0
+        for _ in range(_MAX_ROUNDS):
+            if freed >= target or not tenants:
                 break
-            oldest = self._oldest(list(held))
+            oldest = self._oldest(tenants) if len(tenants) > 1 else [(0, tenants[0])]
             if not oldest:
                 break
             bound = oldest[1][0] if len(oldest) > 1 else -1  # no newer than the next tenant's oldest
-            freed, n = self._evict(oldest[0][1], need, bound, LRU)
+            got, n = self._evict(oldest[0][1], target - freed, bound, cause)
             if not n:
                 break
-            need -= freed
+            freed += got
+        return freed
 
     def _oldest(self, tenants: list[str]) -> list[tuple[int, str]]:
         """(score of its oldest block, tenant) of the tenants holding blocks, oldest first."""

@@ -12,11 +12,17 @@ The comparison reads the segments as the engine laid them out (``worker.copy.Blo
 block is ``[layer 0 | layer 1 | ...]``) and never reorders them: packed or permuted layouts compare
 the same, since the error is over the whole segment. One vectorized pass per dtype; no per-token
 or per-element Python.
+
+A partial block (a prompt's tail, ``tokens`` fewer than the block size) is compared over the
+values of its tokens only: past them the engine's block holds whatever its memory held before.
+Which value belongs to which token depends on how the engine packs a block, so a segment says it
+(``TokenMap``, made by the engine glue); a tail whose segments have no map cannot be compared.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import NamedTuple, Sequence
 
 import torch
@@ -45,20 +51,46 @@ TOLERANCES: dict[torch.dtype, float] = {
 _EPS = 1e-30
 
 
+@dataclass(frozen=True, eq=False)
+class TokenMap:
+    """The token of a block each value of a segment belongs to (``token_of``: int, -1 for a value of
+    no token), for comparing partial blocks; one map serves every segment of its size and dtype.
+    ``trailing``: the last tokens of a partial block that are never compared (their KV depends on
+    tokens after the block: an EAGLE-style draft head's, ``adapters/vllm/drafts.py``)."""
+
+    token_of: torch.Tensor
+    trailing: int = 0
+
+    def values(self, tokens: int) -> torch.Tensor:
+        """The indices of the values of the first ``tokens`` tokens, less the trailing ones."""
+        return _values(self, tokens - self.trailing)
+
+
+@lru_cache(maxsize=256)  # a handful of maps, a tail length each: computed once, not per comparison
+def _values(tokens_map: TokenMap, tokens: int) -> torch.Tensor:
+    of = tokens_map.token_of
+    return torch.nonzero((of >= 0) & (of < tokens)).reshape(-1)
+
+
 @dataclass(frozen=True)
 class Segment:
-    """One layer's bytes in a block: ``nbytes`` at ``offset``, holding values of ``dtype``."""
+    """One layer's bytes in a block: ``nbytes`` at ``offset``, holding values of ``dtype``;
+    ``tokens`` says which token each value is of (partial blocks are compared only with one)."""
 
     name: str
     offset: int
     nbytes: int
     dtype: torch.dtype
+    tokens: TokenMap | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         size = torch.empty((), dtype=self.dtype).element_size()
         if self.offset < 0 or self.nbytes <= 0 or self.nbytes % size:
             raise ValueError(f"segment {self.name!r}: {self.nbytes} bytes at {self.offset} is not a whole "
                              f"number of {self.dtype} values")
+        if self.tokens is not None and self.tokens.token_of.numel() != self.nbytes // size:
+            raise ValueError(f"segment {self.name!r}: a token map of {self.tokens.token_of.numel()} values for "
+                             f"{self.nbytes // size}")
 
 
 class Comparison(NamedTuple):
@@ -83,8 +115,19 @@ def segments_of(nbytes: int, layers: int, dtype: torch.dtype) -> list[Segment]:
     return [Segment(f"layer {i}", i * size, size, dtype) for i in range(layers)]
 
 
-def relative_errors(stored: torch.Tensor, computed: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-    """The relative L2 error of each segment of two blocks (flat uint8 tensors of equal size)."""
+def comparable(segments: Sequence[Segment], tokens: int | None = None) -> bool:
+    """Whether blocks cut into ``segments`` can be compared: any full block; a partial one of
+    ``tokens`` tokens only when every segment says which token each value is of, and has values
+    of those tokens to compare."""
+    if not segments:
+        return False
+    return tokens is None or all(s.tokens is not None and s.tokens.values(tokens).numel() for s in segments)
+
+
+def relative_errors(stored: torch.Tensor, computed: torch.Tensor, segments: Sequence[Segment],
+                    tokens: int | None = None) -> torch.Tensor:
+    """The relative L2 error of each segment of two blocks (flat uint8 tensors of equal size);
+    with ``tokens``, of the values of a partial block's first ``tokens`` tokens only."""
     if stored.dtype != torch.uint8 or computed.dtype != torch.uint8:
         raise TypeError("blocks are compared as uint8 bytes")
     if stored.numel() != computed.numel():
@@ -92,13 +135,20 @@ def relative_errors(stored: torch.Tensor, computed: torch.Tensor, segments: Sequ
     end = max((s.offset + s.nbytes for s in segments), default=0)
     if end > stored.numel():
         raise ValueError(f"segments reach byte {end} of a {stored.numel()}-byte block")
+    if tokens is not None and not comparable(segments, tokens):
+        raise ValueError(f"a partial block of {tokens} tokens is compared only over segments whose token map "
+                         "holds values of those tokens")
     out = torch.empty(len(segments), dtype=torch.float64)
-    by_shape: dict[tuple[torch.dtype, int], list[int]] = {}
+    by_shape: dict[tuple[torch.dtype, int, int], list[int]] = {}
     for i, s in enumerate(segments):
-        by_shape.setdefault((s.dtype, s.nbytes), []).append(i)
-    for (dtype, nbytes), index in by_shape.items():  # one batched pass per (dtype, size)
-        a = _rows(stored, [segments[i] for i in index], nbytes).view(dtype).double()
-        b = _rows(computed, [segments[i] for i in index], nbytes).view(dtype).double()
+        by_shape.setdefault((s.dtype, s.nbytes, id(s.tokens) if tokens is not None else 0), []).append(i)
+    for (dtype, nbytes, _map), index in by_shape.items():  # one batched pass per (dtype, size, token map)
+        a = _rows(stored, [segments[i] for i in index], nbytes).view(dtype)
+        b = _rows(computed, [segments[i] for i in index], nbytes).view(dtype)
+        if tokens is not None:
+            values = segments[index[0]].tokens.values(tokens)  # type: ignore[union-attr]
+            a, b = a[:, values], b[:, values]
+        a, b = a.double(), b.double()
         diff = torch.linalg.vector_norm(a - b, dim=1)
         scale = torch.maximum(torch.linalg.vector_norm(a, dim=1), torch.linalg.vector_norm(b, dim=1))
         err = torch.where(scale > _EPS, diff / scale.clamp_min(_EPS), torch.zeros_like(diff))
@@ -119,12 +169,13 @@ def _rows(block: torch.Tensor, segments: Sequence[Segment], nbytes: int) -> torc
 
 
 def compare(stored: torch.Tensor, computed: torch.Tensor, segments: Sequence[Segment],
-            tolerances: dict[torch.dtype, float] | None = None) -> Comparison:
+            tolerances: dict[torch.dtype, float] | None = None, tokens: int | None = None) -> Comparison:
     """The worst segment of ``stored`` against ``computed`` and whether it is within its dtype's
-    tolerance (``TOLERANCES`` unless given)."""
+    tolerance (``TOLERANCES`` unless given); ``tokens``: a partial block of that many tokens,
+    compared over their values only (every segment needs a ``TokenMap``)."""
     if not segments:
         raise ValueError("no segments to compare")
-    errors = relative_errors(stored, computed, segments)
+    errors = relative_errors(stored, computed, segments, tokens)
     worst = int(torch.argmax(torch.nan_to_num(errors, nan=float("inf"))))
     table = TOLERANCES if tolerances is None else tolerances
     return Comparison(errors, worst, table[segments[worst].dtype])

@@ -8,8 +8,10 @@ Loaded with ``--hicache-storage-backend dynamic --hicache-storage-backend-extra-
 - ``pages``: the host pool's pages as byte rows and byte runs (``PageRows``).
 - ``namespace``: the extra config, page keys as bytes, and the namespace pages are keyed on.
 - ``verify``: verified hits (sampled queries, their write-back compared).
+- ``weights``: weight updates made in memory (the store's reset).
 
-Only ``storage`` and ``metrics`` import SGLang (loaded on first use of their names).
+Only ``storage`` and ``metrics`` import SGLang (loaded on first use of their names), and ``weights``
+when ``storage`` hooks its scheduler.
 """
 
 from __future__ import annotations

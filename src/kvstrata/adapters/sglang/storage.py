@@ -28,6 +28,10 @@ Every payload that comes from disk is checksummed by the store: a corrupt or mis
 reported as failed (with every page after it) and never served. ``clear()`` bumps the namespace
 epoch, which hides everything stored before, in every process sharing the L2 folder.
 
+A weight update made in memory (``update_weights_from_*``) is the store's reset of the weights kind
+(``weights.py``: hooked on SGLang's scheduler, since SGLang tells a backend nothing of it): every
+call takes its epoch from ``WeightUpdates.epoch``, and serves and saves nothing while it is None.
+
 Verified hits (``verify.sample_rate``, ``verify.py``): a sampled ``batch_exists`` reports the
 stored pages as not stored, and their write-back is compared with the stored copies instead of
 skipped.
@@ -58,6 +62,7 @@ from kvstrata.adapters.sglang.metrics import StorageSeries, series_labels
 from kvstrata.adapters.sglang.namespace import digests_of, load_strata_config, namespace_for
 from kvstrata.adapters.sglang.pages import PageRows
 from kvstrata.adapters.sglang.verify import Fill, PageChecks
+from kvstrata.adapters.sglang.weights import WeightUpdates, unwatch, watch
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache
@@ -112,6 +117,8 @@ class StrataStorage(HiCacheStorage):
         self.checks: PageChecks | None = None  # verified hits (a writer with verify.sample_rate > 0)
         self._calls = _CallLog()
         self._series: StorageSeries | None = None  # made at the first get_stats with metrics on
+        self.weights = WeightUpdates(self.store)  # SGLang's weight updates: the store's reset
+        watch(self.weights)
         log.info("kvstrata: SGLang storage backend for %s (tp %d/%d, %s interface, writer=%s)",
                  storage_config.model_name, storage_config.tp_rank, storage_config.tp_size,
                  "zero-copy" if self.v1 else "legacy flat-page", self.writer)
@@ -156,13 +163,15 @@ class StrataStorage(HiCacheStorage):
             raise RuntimeError("kvstrata: register_mem_pool_host() was not called")
         return self.rows, self.ns
 
-    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> tuple[int, BlockChain]:
+    def _chain(self, keys: Sequence[str],
+               extra_info: HiCacheStorageExtraInfo | None = None) -> tuple[int, BlockChain] | None:
         """Current epoch and the kvstrata keys of ``keys``: one chain of one page each, rooted at
         the namespace (see the module docstring: SGLang's keys are chained already, and the
-        prefix keys it passes are not always the pages before ``keys``)."""
+        prefix keys it passes are not always the pages before ``keys``). None while a weight
+        update waits for SGLang's cache flush (``WeightUpdates.epoch``): nothing is served or saved."""
         ns = self._require_pool()[1]
-        epoch = self.store.current_epoch(ns)
-        return epoch, self.store.page_chain(ns, epoch, digests_of(keys))
+        epoch = self.weights.epoch(ns)
+        return None if epoch is None else (epoch, self.store.page_chain(ns, epoch, digests_of(keys)))
 
     # -------------------------------------------------------------- queries
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -170,7 +179,10 @@ class StrataStorage(HiCacheStorage):
         for a query sampled for verification, and never past a page hidden from an earlier one."""
         if not keys:
             return 0
-        epoch, chain = self._chain(keys, extra_info)
+        keyed = self._chain(keys, extra_info)
+        if keyed is None:
+            return 0
+        epoch, chain = keyed
         assert self.ns is not None
         stored = self.store.lookup_chain(self.ns, epoch, chain).num_blocks
         return stored if self.checks is None else self.checks.answer(keys, stored)
@@ -194,7 +206,10 @@ class StrataStorage(HiCacheStorage):
             return []
         self._require_pool()
         start = time.perf_counter()
-        epoch, chain = self._chain(keys, extra_info)
+        keyed = self._chain(keys, extra_info)
+        if keyed is None:
+            return [False] * len(keys)
+        epoch, chain = keyed
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
         try:
             origin = self.store.origins(hit)  # before the load promotes pages into L1
@@ -246,7 +261,10 @@ class StrataStorage(HiCacheStorage):
             return [True] * len(keys)
         self._require_pool()
         start = time.perf_counter()
-        epoch, chain = self._chain(keys, extra_info)
+        keyed = self._chain(keys, extra_info)
+        if keyed is None:  # the host pool may hold KV of the weights SGLang has left
+            return [False] * len(keys)
+        epoch, chain = keyed
         rows, data = self.rows, self.store.arena.data
         starts = rows.page_starts(host_indices, len(keys)) if self.bypass_l1 and self.store.direct_writes else None
         if starts is not None:
@@ -277,7 +295,10 @@ class StrataStorage(HiCacheStorage):
 
     def _put(self, keys: Sequence[str], payloads: torch.Tensor | Sequence[torch.Tensor],
              extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
-        epoch, chain = self._chain(keys, extra_info)
+        keyed = self._chain(keys, extra_info)
+        if keyed is None:
+            return [False] * len(keys)
+        epoch, chain = keyed
         assert self.ns is not None
         self.store.save_now(self.ns, epoch, chain, payloads)
         data = self.store.arena.data
@@ -308,7 +329,10 @@ class StrataStorage(HiCacheStorage):
         if not keys:
             return []
         self._require_pool()
-        epoch, chain = self._chain(keys, None)
+        keyed = self._chain(keys, None)
+        if keyed is None:
+            return [None] * len(keys)
+        epoch, chain = keyed
         hit = self.store.lookup_chain(self.ns, epoch, chain, pin=True)
         try:
             origin = self.store.origins(hit)
@@ -344,13 +368,9 @@ class StrataStorage(HiCacheStorage):
         until they reset too), because SGLang 0.5.23 calls a storage backend's ``clear`` only when
         no weights change: the admin endpoint ``POST /hicache/storage-backend/clear``
         (``Scheduler.clear_hicache_storage_wrapped``) and a PD role switch
-        (``disaggregation/role_switch.py``, best effort, on every rank). Its weight updates
-        (``update_weights_from_disk/tensor/distributed``, then ``flush_cache``) reset the radix tree
-        and the host pool but never reach the storage backend. As the reset kind, a role switch or
-        an operator's clear on one instance would take every other instance off the store until each
-        reset itself (and SGLang has no other call that could make it reset). SGLang thus tells
-        kvstrata nothing of a weight update made in memory: a deployment that makes them gives each
-        weights version its own namespace (``namespace.model_version``)."""
+        (``disaggregation/role_switch.py``, best effort, on every rank). As the reset kind, a role
+        switch or an operator's clear on one instance would take every other instance off the store
+        until each updated its weights. Weight updates reach the store through ``weights.py``."""
         if self.ns is None:
             return False
         return self.store.invalidate(self.ns.seed) is not None  # the store logs it either way
@@ -366,4 +386,5 @@ class StrataStorage(HiCacheStorage):
         return self._calls.drain(counters)
 
     def close(self) -> None:
+        unwatch(self.weights)
         self.store.close()  # waits for queued saves

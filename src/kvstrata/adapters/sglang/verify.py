@@ -4,6 +4,9 @@ them back (``batch_set_v1``, ``batch_set``), they are compared with their stored
 of being skipped as stored (``store.prepare_verify`` / ``complete_verify``). A page that differs is
 deleted from every tier, counted and logged by the store, and not stored again by this write-back
 (the next request that computes it stores it). A verified request costs its hit, never a wrong answer.
+The write-back only copies the pages into scratch slots: the comparison (reading the stored copy
+from a tier, deleting a mismatch from every tier) runs on the store's comparison thread, so no
+call of SGLang's waits on a tier for it.
 
 Sampling. A query with a hit is sampled with probability ``verify.sample_rate``; the keys of its
 stored pages are remembered (``Sampled``: at most ``CAPACITY`` keys, each for ``TTL_S`` seconds)
@@ -35,7 +38,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstrata.keys import BlockChain, Namespace
-from kvstrata.store import TOLERANCES, Comparison, Segment, StoreProtocol
+from kvstrata.store import TOLERANCES, Segment, StoreProtocol
 
 if TYPE_CHECKING:
     from kvstrata.adapters.sglang.pages import PageRows
@@ -141,8 +144,9 @@ class PageChecks:
     def write_back(self, ns: Namespace, epoch: int, keys: Sequence[str], chain: BlockChain,
                    fill: Fill) -> list[int]:
         """Compare the pages of a write-back (``keys``, their ``chain``) that were hidden from a query
-        with their stored copies: ``fill`` copies them into scratch slots as a save does. Returns
-        their positions in ``keys``, stored or not now (a mismatching page is deleted)."""
+        with their stored copies: ``fill`` copies them into scratch slots as a save does, and the
+        store compares them on its comparison thread. Returns their positions in ``keys``, stored
+        now (a mismatching page is deleted once compared)."""
         pick = self.sampled.take(keys)
         if not pick:
             return []
@@ -155,7 +159,6 @@ class PageChecks:
             except BaseException:
                 self.store.complete_verify(res, self.segments, success=False)
                 raise
-            results: list[Comparison] = self.store.complete_verify(res, self.segments)
-            log.debug("kvstrata: verified %d of %d written-back pages, %d differ", len(results), len(keys),
-                      sum(not r.ok for r in results))
+            self.store.complete_verify(res, self.segments)
+            log.debug("kvstrata: %d of %d written-back pages queued for comparison", len(res.slots), len(keys))
         return pick

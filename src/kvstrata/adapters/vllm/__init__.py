@@ -11,6 +11,7 @@ design: one connector instance per role, usually in different processes.
 - ``worker``: maps the L1 arena and copies whole blocks between it and the KV cache.
 - ``metadata``: the step plan sent to workers, their per-rank reports, the stats.
 - ``namespace``: what blocks are keyed on; the arena's name in /dev/shm and dead-arena clean-up.
+- ``weights``: weight updates made in memory, seen on vLLM's ``EngineCore.collective_rpc``.
 """
 
 from __future__ import annotations

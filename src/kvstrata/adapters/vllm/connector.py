@@ -35,6 +35,7 @@ from kvstrata.adapters.vllm.backends import report, reported
 from kvstrata.adapters.vllm.metadata import StrataMetadata, StrataStats
 from kvstrata.adapters.vllm.metrics import StrataPromMetrics
 from kvstrata.adapters.vllm.scheduler import SchedulerSide
+from kvstrata.adapters.vllm.weights import WeightUpdates
 from kvstrata.adapters.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -114,6 +115,12 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         return self._sched.reset_cache() if self._sched is not None else None
+
+    @property
+    def weight_updates(self) -> WeightUpdates | None:
+        """The scheduler side's view of weight updates made in memory, for the hook on vLLM's
+        ``EngineCore.collective_rpc`` (``weights.py``); None on a worker."""
+        return self._sched.weight_updates if self._sched is not None else None
 
     # the attention backends each worker chose, for the namespace (backends.py)
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

@@ -7,7 +7,8 @@ the ones the engine loaded; with an EAGLE-style drafter its full blocks are keye
 after them too: ``drafts.py``), and its blocks are stored only while they cannot be of other weights
 than this instance's: not if it was running at this instance's last reset, or if its local prefix
 hit came from vLLM's own cache from before that reset (``resets.LocalCacheGuard``), and not once
-its LoRA adapter's files changed after it was keyed.
+its LoRA adapter's files changed after it was keyed. Nothing is served or stored while the engine's
+weights changed in memory without a reset before it (``weights.WeightUpdates``).
 
 A request sampled for a verified hit (``verify.sample_rate``, ``Admission``) is told no external
 tokens: the engine computes its prefix, and the blocks it computes are copied like a save into
@@ -36,6 +37,7 @@ from kvstrata.adapters.vllm.metadata import CopyOp
 from kvstrata.adapters.vllm.request_keys import adapter_unchanged, request_keys
 from kvstrata.adapters.vllm.resets import LocalCacheGuard
 from kvstrata.adapters.vllm.roles import Role
+from kvstrata.adapters.vllm.weights import WeightUpdates
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -90,12 +92,14 @@ class Admission:
         self._sampler = random.Random()
         self.adapters = AdapterVersions()  # LoRA adapters by content, as this engine loaded them
         self.guard = LocalCacheGuard()  # vLLM's own cached blocks from before this instance's last reset
+        self.weights = WeightUpdates()  # off the store while the weights changed without a reset before it
         self._unchanged: dict[tuple[int, str, str], bool] = {}  # adapters checked this step
 
-    def new_step(self) -> None:
-        """A new engine step: adapters are checked again (their files stat'ed once per step, not
-        once per request)."""
+    def new_step(self, scheduled_tokens: int) -> None:
+        """A step computing ``scheduled_tokens`` tokens was planned: adapters are checked again in
+        the next (their files stat'ed once per step, not once per request)."""
         self._unchanged.clear()
+        self.weights.stepped(scheduled_tokens)
 
     def admit(self, request: "Request") -> Pending:
         """A new request's state: its keys (``request_keys``), or none when they cannot be made
@@ -109,7 +113,7 @@ class Admission:
 
     def may_save(self, st: Pending, req_id: str, kv_cache_manager: Any, block_size: int) -> bool:
         """Whether the blocks of ``st`` may be stored now (see the module docstring)."""
-        if not st.saves:
+        if not st.saves or self.weights.off:
             return False
         if not st.checked and kv_cache_manager is not None:
             st.checked = True
@@ -130,6 +134,7 @@ class Admission:
         for st in live:
             st.saves = False
         self.guard.reset(kv_cache_manager)
+        self.weights.reset()
 
 
 @dataclass(slots=True)

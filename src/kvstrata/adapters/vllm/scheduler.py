@@ -52,7 +52,9 @@ from kvstrata.adapters.vllm.pending import Admission, Ops, Pending
 from kvstrata.adapters.vllm.roles import make_role
 from kvstrata.adapters.vllm.slots import slot_plan
 from kvstrata.adapters.vllm.staging import Staging
+from kvstrata.adapters.vllm.tails import page_spec
 from kvstrata.adapters.vllm.verify import Verifies
+from kvstrata.adapters.vllm.weights import WeightUpdates, watch
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,10 +97,14 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None  # bound by vLLM's scheduler
         self._admission = Admission(cfg.verify.sample_rate, draft_lookahead(vllm_config),  # served, stored, verified
                                     self.block_size)
+        watch()  # weight updates made in memory reach ``self.weight_updates`` (weights.py)
         self.stats = StatsCollector(self.store)
         self.role = make_role(vllm_config, cfg, self.store)  # P/D: producer, consumer or both
         self._ops = Ops(self.store, self.role, plan.ranks, plan.writers, plan.segments)  # the step's copies and those in flight
-        self._verifies = Verifies(self.store, self.ns, self._ops, self.block_size, plan.slot_bytes)
+        self._verifies = Verifies(self.store, self.ns, self._ops, self.block_size, plan.slot_bytes,
+                                  page_spec(vllm_config, kv_cache_config) if cfg.verify.sample_rate and not layouts
+                                  else None,
+                                  self._admission.draft_lookahead)
         self._staging = Staging(self.store, self.block_size, plan.slot_bytes, cfg.l1.stage_inline_bytes,
                                 self.role.local_copy)
         self._hybrid = HybridPlans(self.store, self.ns, self._ops, self.role, plan.slot_bytes, layouts,
@@ -116,12 +122,17 @@ class SchedulerSide:
                  vllm_config.kv_transfer_config.kv_role,
                  self.arena.num_slots, plan.slot_bytes, path, "; MLA: one copy for every rank" if plan.shared else "")
 
+    @property
+    def weight_updates(self) -> WeightUpdates:
+        """This engine's weight updates made in memory (``weights.py``; its hook finds them here)."""
+        return self._admission.weights
+
     # -- the namespace's last part
     def bind_backends(self, backends: tuple[str, ...] | None) -> None:
         """The attention backends the workers report (``backends.reported``; None: none reported)
         enter the namespace, before the engine serves: vLLM hands the reports over in its start-up."""
         self.ns = with_backends(self.ns, backends)
-        self._verifies.ns = self.ns
+        self._verifies.bind(self.ns, backends)
         if self._hybrid is not None:
             self._hybrid.ns = self.ns
         self.store.describe(self.ns)  # kvstrata stats / invalidate --model name the model
@@ -139,6 +150,12 @@ class SchedulerSide:
         if st is None:
             st = self._reqs[request.request_id] = self._admission.admit(request)
         if not st.served:
+            return 0, False
+        if self.weight_updates.off:  # the weights changed in memory without a reset before it (weights.py)
+            self._release(st)
+            self._verifies.drop(st)
+            if self._hybrid is not None:
+                self._hybrid.release(st)
             return 0, False
         if self._hybrid is not None:
             return self._hybrid.match(st, num_computed_tokens)
@@ -213,7 +230,7 @@ class SchedulerSide:
             else:
                 self._plan_saves(req_id, st, n)
         meta = StrataMetadata(self.arena, *self._ops.take(), self.role.take_sent())
-        self._admission.new_step()
+        self._admission.new_step(scheduler_output.total_num_scheduled_tokens)
         return meta
 
     # -- saves
@@ -258,14 +275,16 @@ class SchedulerSide:
             where.append(n_prompt_full)
         st.saved_full, st.tail_saved = max(st.saved_full, full), st.tail_saved or tail
         res = self.store.prepare_store(self.ns, epoch, todo, self.arena.slot_bytes)
-        check = self._verifies.plan(st, epoch, todo, where)  # a verified request's stored blocks
+        check, check_at = self._verifies.plan(st, epoch, todo, where)  # a verified request's stored blocks
         if self.kv_cache_manager is None and (res.slots or check.slots):
             raise RuntimeError("kvstrata: bind_kv_cache_manager() was not called before scheduling")
         position = {key: i for i, key in enumerate(todo.keys)}
-        for slots, op in ((res, self._ops.save), (check, self._ops.verify)):
-            if slots.slots:
-                block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-                op(req_id, slots, [block_ids[where[position[m.key]]] for m in slots.metas])
+        if res.slots:
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+            self._ops.save(req_id, res, [block_ids[where[position[m.key]]] for m in res.metas])
+        if check.slots:
+            block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+            self._ops.verify(req_id, check, [block_ids[i] for i in check_at])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Everything computed was saved in the step that computed it, except the partial block at
@@ -313,7 +332,9 @@ class SchedulerSide:
         What this instance computed before it may be of the old weights, so none of it is stored
         afterwards: not the rest of the requests running now, and not what vLLM's own prefix cache
         still serves from before (its reset fails while requests hold blocks:
-        ``resets.LocalCacheGuard``)."""
+        ``resets.LocalCacheGuard``). An engine that a weight update took off the store is back on
+        it; an update made before its next step is covered by this reset (``weights.py``: vLLM's
+        ``pause_generation(clear_cache=True)`` makes it, then the update, then the resume)."""
         if not self._bound:
             self.bind_backends(None)
         self._admission.reset(self._reqs.values(), self.kv_cache_manager)
