@@ -255,6 +255,7 @@ def test_an_idle_instance_learns_of_a_reset_as_it_is_announced(tmp_path):
         shared = Shared("redis", tmp_path, url)
         with shared.open("a") as a, shared.open("b") as b:
             idle_peer_after_a_reset_and_a_lost_epoch(a, b, shared.lose, deaf=False)
+            assert generation(a.current_epoch(NS)) == 0  # no floor record: the fresh epoch is of generation 0
 
 
 @pytest.mark.parametrize("kind", ["redis", "fs"])

@@ -270,3 +270,18 @@ def test_values_of_older_formats_are_taken_by_an_instance_with_its_floor_and_sea
     with tier.open("c") as c:
         assert c.epochs.get(NS.seed) != first and c.counters.get("epoch_values_expired") == 1
         assert c.counters.get("remote_auth_epochs") == 0  # it passed its MAC: refused for its age
+
+
+def test_an_l2_folders_own_epochs_never_expire_across_a_restart(tmp_path):
+    """Freshness is the shared tier's: one host's L2 folder (``l2.authenticate``) holds its floor record
+    on the same disk as its epochs, so a restart after hours idle keeps its epoch and its blocks."""
+    from kvstrata.epochs.floor import open_epoch, seal_epoch
+    from kvstrata.epochs.folder import FileEpochs
+
+    auth, seed = Auth(SECRET), NS.seed
+    epoch = FileEpochs(tmp_path, auth=auth, counter_prefix="l2").get(seed)
+    path = tmp_path / seed.hex()
+    _, counter, _ = open_epoch(auth, b"epoch:l2", seed.hex(), path.read_bytes())
+    path.write_bytes(seal_epoch(auth, b"epoch:l2", seed.hex(), epoch, counter, int(time.time()) - 7 * 86400) + b"\n")
+    again = FileEpochs(tmp_path, auth=auth, counter_prefix="l2")  # a restart: nothing in memory
+    assert again.get(seed) == epoch

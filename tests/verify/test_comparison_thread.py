@@ -72,14 +72,6 @@ def test_a_full_queue_skips_and_counts_and_never_waits(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------- a hung Redis, behind a real proxy
-@pytest.fixture
-def redis_url(tmp_path):
-    if redisutil.REDIS is None:
-        pytest.skip("redis-server is not installed")
-    with redisutil.standalone(tmp_path / "redis") as (url, _port, _procs):
-        yield url
-
-
 def open_store(tmp_path, url: str) -> BlockStore:
     return BlockStore(load_config(None, {
         "l1.size": "1MiB", "l1.pin_memory": False, "l2.path": str(tmp_path / "l2"), "l2.write": "through",
@@ -89,7 +81,8 @@ def open_store(tmp_path, url: str) -> BlockStore:
         "verify.queue_blocks": 8}))
 
 
-def test_a_hung_shared_tier_delays_no_scheduler_step(tmp_path, redis_url):
+@pytest.mark.skipif(redisutil.REDIS is None, reason="redis-server is not installed")
+def test_a_hung_shared_tier_delays_no_scheduler_step(tmp_path, redis_url):  # redis_url: tests/conftest.py
     """Scenario: the shared tier (real Redis through ``FaultyProxy``) hangs while verifications
     are settled the way vLLM's scheduler settles them (``pending.Ops.verify``, then every writer's
     ``Ops.report`` in ``update_connector_output``): the first has a mismatch, whose deletion from

@@ -101,12 +101,13 @@ class Floor:
     ``read_shared(seed)``: the shared copy's bytes (None: none), raising what the epoch read
     raises; ``write_shared(seed, old, new)``: replace it by ``new`` if it still holds ``old``
     (None: nothing). ``name(seed)`` and ``kind``: what the floor's MAC is bound to. ``max_age_s``:
-    how old a value an instance with no floor of its own accepts (see the module docstring)."""
+    how old a value an instance with no floor of its own accepts (see the module docstring); None: any
+    (one host's L2 folder, where the floor record lies on the same disk as the value)."""
 
     def __init__(self, auth: Auth, kind: bytes, name: Callable[[bytes], str], domain: str, local: Path | None,
                  read_shared: Callable[[bytes], bytes | None],
                  write_shared: Callable[[bytes, bytes | None, bytes], object], counters: Counters | None,
-                 max_age_s: float = 3600.0) -> None:
+                 max_age_s: float | None = None) -> None:
         self._auth, self._kind, self._name, self._domain, self._local = auth, kind + b"+floor", name, domain, local
         self._read_shared, self._write_shared, self._counters = read_shared, write_shared, counters
         self.max_age_s = max_age_s
@@ -181,7 +182,7 @@ class Floor:
         with self._lock:
             own = ns_seed in self._own
         age = time.time() - sealed
-        if own or age <= self.max_age_s:
+        if own or self.max_age_s is None or age <= self.max_age_s:
             return True
         if self._counters is not None:
             self._counters.inc(EXPIRED)
@@ -193,7 +194,7 @@ class Floor:
 
     def stale(self, sealed: int) -> bool:
         """Whether a value in use should be sealed again (same epoch, next counter, the time now)."""
-        return time.time() - sealed > self.max_age_s / RESEAL_FRACTION
+        return self.max_age_s is not None and time.time() - sealed > self.max_age_s / RESEAL_FRACTION
 
     def raise_to(self, ns_seed: bytes, epoch: int, counter: int) -> None:
         """An accepted (or written) value: the floor rises to it, here, on disk and in the shared tier.

@@ -68,11 +68,12 @@ class FileEpochs(PolledEpochs):
     def __init__(self, root: Path, modes: tuple[int, int] = (0o700, 0o600), *, shared: bool = False,
                  refresh_s: float = 0.0, bound_s: float | None = 0.0, auth: Auth | None = None,
                  counters: Counters | None = None, counter_prefix: str = "l2", local_floor: Path | None = None,
-                 max_age_s: float = 3600.0) -> None:
+                 max_age_s: float | None = None) -> None:
         """``modes``: of the folder (if created here) and of the files written; a shared folder
         passes its group bits so that every instance of the group can read and replace them.
         ``local_floor``: a folder of this host's where the epoch floor is kept too (with ``auth``).
-        ``max_age_s``: how old a value an instance with no floor of its own accepts (``epochs/floor.py``)."""
+        ``max_age_s``: how old a value an instance with no floor of its own accepts (``epochs/floor.py``);
+        None (L2's own folder): any, since its floor record lies on the same disk as the value."""
         self._root = root
         self._auth, self._counters, self._cp = auth, counters, counter_prefix
         self._domain = counter_prefix
